@@ -1,0 +1,79 @@
+"""Attention metadata for one forward step, built by the model runner, passed explicitly.
+
+Queries are packed: the new tokens of all B sequences of the step, sequence after
+sequence, N in all (decode: N == B). Each sequence's *own* keys (everything after its
+shared prefix) live in the paged KV cache; its shared prefix, if any, is one of the
+loaded system prefixes, kept once in memory and never copied into the paged cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefixGroup:
+    """The sequences of a step that share one loaded system prefix."""
+
+    prefix_slot: int  # index into the runner's list of loaded prefixes
+    num_prefix_tokens: int  # S
+    seq_indices: torch.Tensor  # [b_p] int64, rows of the batch
+    query_indices: torch.Tensor  # [n_p] int64, packed query rows of those sequences
+
+
+@dataclass
+class AttentionMetadata:
+    is_decode: bool  # every sequence has exactly one new query
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, packed query offsets
+    max_seqlen_q: int
+    context_lens: torch.Tensor  # [B] int32, own tokens including this step's new ones
+    max_context_len: int
+    block_tables: torch.Tensor  # [B, max_blocks] int32, own KV blocks
+    slot_mapping: torch.Tensor  # [N] int64, flat cache slot of each new token's k/v
+    block_size: int
+    prefix_groups: list[PrefixGroup] = field(default_factory=list)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        num_seqs = self.context_lens.shape[0]
+        assert self.cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [B+1]"
+        assert self.block_tables.shape[0] == num_seqs, "block_tables must be [B, max_blocks]"
+        assert self.slot_mapping.dim() == 1, "slot_mapping must be [N]"
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def num_queries(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def padded_indices(self) -> dict[str, torch.Tensor]:
+        """Index tensors for the padded (pure PyTorch) path, computed once per step.
+
+        query_seq [N], query_local [N]: row and column of each packed query in [B, Tq_max].
+        query_ctx_pos [N]: each query's index among its sequence's own tokens (causal limit).
+        ctx_slots [B, C_max]: flat cache slot of every own key (0 where past the end).
+        ctx_valid [B, C_max]: key exists.
+        """
+        if "padded" in self._cache:
+            return self._cache["padded"]
+        device = self.context_lens.device
+        cu = self.cu_seqlens_q.to(torch.int64)
+        q_lens = cu[1:] - cu[:-1]
+        num_queries = int(cu[-1])
+        query_seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), q_lens)
+        query_local = torch.arange(num_queries, device=device) - cu[:-1][query_seq]
+        ctx_lens = self.context_lens.to(torch.int64)
+        query_ctx_pos = ctx_lens[query_seq] - q_lens[query_seq] + query_local
+        cols = torch.arange(self.max_context_len, device=device)
+        ctx_valid = cols[None, :] < ctx_lens[:, None]
+        block_idx = torch.clamp(cols // self.block_size, max=self.block_tables.shape[1] - 1)
+        blocks = self.block_tables.to(torch.int64)[:, block_idx]
+        ctx_slots = torch.where(ctx_valid, blocks * self.block_size + cols % self.block_size, 0)
+        out = dict(query_seq=query_seq, query_local=query_local, query_ctx_pos=query_ctx_pos,
+                   ctx_slots=ctx_slots, ctx_valid=ctx_valid)
+        self._cache["padded"] = out
+        return out
