@@ -1,0 +1,334 @@
+"""Request and result rows: the contract between readers, engine and writers.
+
+`parse_request` turns one raw input row (a JSONL object, or a Parquet row as a dict)
+into a validated `RequestRow`, or into an error `ResultRow` whose message names the
+row, the field and the fix, so that one bad row never stops a job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "error")
+ROLES = ("system", "user", "assistant")
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+SEED_LIMIT = 1 << 63  # seeds must fit a signed int64: torch and numpy generators take them
+_MASK64 = (1 << 64) - 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python, not to us
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _show(v: Any) -> str:
+    """A short repr for error lines: a 10 kB prompt must not flood the error column."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def derive_seed(seed_base: int, row_index: int) -> int:
+    """The seed of a row that has none: splitmix64 of (base, row), never Python's hash().
+
+    hash() is salted per process, so it would give a different answer on every run;
+    this gives the same seed for the same job, on any machine, before or after --resume.
+    """
+    x = (seed_base * 0x9E3779B97F4A7C15 + row_index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # drop one bit: 0 <= seed < 2**63
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None  # None: until EOS or the context is full
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None = off (no -1 / 0 sentinels)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {_show(self.temperature)}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {_show(self.top_p)}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 (leave it out to turn it off), got {_show(self.top_k)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer from 0 to 2**63-1, got {_show(self.seed)}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {_show(self.stop)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+
+@dataclass
+class RequestDefaults:
+    """Job-wide values for rows that leave a sampling field out (the CLI options)."""
+
+    max_tokens: int | None = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed_base: int = 0  # a row without a seed gets derive_seed(seed_base, row_index)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.seed_base):
+            raise ValueError(f"seed base must be an integer, got {_show(self.seed_base)}")
+        # One rule set: the defaults must themselves be valid sampling values.
+        SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, ignore_eos=self.ignore_eos)
+
+
+def check_messages(messages: Any) -> None:
+    """Raise ValueError naming the first bad message; the engine's chat templates rely on these."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {_show(m)}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(role)}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {_show(content)}")
+        if not content.strip():
+            raise ValueError(f"messages[{i}].content is empty; give the message some text")
+        if role == "system" and i > 0:
+            raise ValueError(f"messages[{i}] is a system message; only the first message may be one")
+    if all(m["role"] == "system" for m in messages):
+        raise ValueError("messages holds only a system message; add a user message to answer")
+
+
+@dataclass
+class RequestRow:
+    row_index: int
+    id: str
+    messages: list[dict[str, str]]  # the chat; a bare prompt is one user message
+    system_prompt: str | None = None  # names a loaded artifact
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    is_openai: bool = False
+    url: str | None = None  # the OpenAI endpoint, so the writer can shape its answer
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.row_index) or self.row_index < 0:
+            raise ValueError(f"row_index must be an integer >= 0, got {_show(self.row_index)}")
+        if not isinstance(self.id, str):
+            raise ValueError(f"id must be a string, got {_show(self.id)}")
+        check_messages(self.messages)
+        if self.system_prompt is not None and (not isinstance(self.system_prompt, str) or not self.system_prompt):
+            raise ValueError(f"system_prompt must be a non-empty string, got {_show(self.system_prompt)}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.url is not None and self.url not in OPENAI_URLS:
+            raise ValueError(f"url must be one of {', '.join(OPENAI_URLS)}, got {_show(self.url)}")
+
+
+@dataclass
+class ResultRow:
+    row_index: int
+    id: str
+    text: str
+    finish_reason: str  # stop | length | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a shared prefix artifact
+    completion_tokens: int = 0
+    error: str | None = None  # set exactly when finish_reason == "error"
+    url: str | None = None  # carried from the request for OpenAI-format output
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.row_index) or self.row_index < 0:
+            raise ValueError(f"row_index must be an integer >= 0, got {_show(self.row_index)}")
+        if not isinstance(self.id, str) or not isinstance(self.text, str):
+            raise ValueError("id and text must be strings")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {', '.join(FINISH_REASONS)}, got {_show(self.finish_reason)}")
+        for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {_show(value)}")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})")
+        if (self.finish_reason == "error") != isinstance(self.error, str) or self.error == "":
+            raise ValueError("error must be a non-empty message exactly when finish_reason is 'error'")
+
+    @classmethod
+    def failed(cls, row_index: int, id: str, error: str, url: str | None = None) -> ResultRow:
+        return cls(row_index=row_index, id=id, text="", finish_reason="error", error=error, url=url)
+
+
+class _RowError(ValueError):
+    """A complete one-line message (what is wrong and how to fix it)."""
+
+
+def _opt_int(src: dict, key: str) -> int | None:
+    v = src.get(key)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # pandas turns an int column with nulls into float64: 64.0 means 64
+    if v is not None and not _is_int(v):
+        raise _RowError(f"'{key}' must be an integer, got {_show(v)}")
+    return v
+
+
+def _opt_number(src: dict, key: str) -> float | None:
+    v = src.get(key)
+    if v is not None and not _is_number(v):
+        raise _RowError(f"'{key}' must be a finite number, got {_show(v)}")
+    return v
+
+
+def _content_text(content: Any, i: int) -> Any:
+    """OpenAI allows content as a list of parts; we take text parts and join them."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _RowError(f"messages[{i}].content has a part that is not {{type: text, text: ...}}; "
+                            "relay reads text only")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(src: dict) -> list[dict[str, str]]:
+    has_prompt, has_messages = "prompt" in src, "messages" in src
+    if has_prompt and has_messages:
+        raise _RowError("has both 'prompt' and 'messages'; keep one of them")
+    if not has_prompt and not has_messages:
+        raise _RowError("needs a 'prompt' (a string) or 'messages' (a list of {role, content}); add one")
+    if has_prompt:
+        prompt = src["prompt"]
+        if not isinstance(prompt, str):
+            raise _RowError(f"'prompt' must be a string, got {_show(prompt)}")
+        if not prompt.strip():
+            raise _RowError("'prompt' is empty; give it the user's message")
+        return [{"role": "user", "content": prompt}]
+    raw = src["messages"]
+    if isinstance(raw, list):
+        # Keep role and content only; a Parquet struct brings null fields, which mean absent.
+        raw = [{"role": m.get("role"), "content": _content_text(m.get("content"), i)}
+               if isinstance(m, dict) else m for i, m in enumerate(raw)]
+    try:
+        check_messages(raw)
+    except ValueError as e:
+        raise _RowError(str(e)) from None
+    return raw
+
+
+def _stop(src: dict) -> list[str]:
+    v = src.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _RowError(f"'stop' must be a string or a list of strings, got {_show(v)}")
+    if not all(v):
+        raise _RowError("'stop' holds an empty string; remove it")
+    return v
+
+
+def _row_id(raw: dict, key: str, row_index: int) -> str:
+    v = raw.get(key)
+    if v is None:
+        return str(row_index)
+    if _is_int(v):
+        return str(v)
+    if not isinstance(v, str) or not v:
+        raise _RowError(f"'{key}' must be a non-empty string, got {_show(v)}")
+    return v
+
+
+def _fallback_id(raw: Any, row_index: int) -> str:
+    """The id an error row carries: the row's own if it is usable, else the row number."""
+    if isinstance(raw, dict):
+        for key in ("custom_id", "id"):
+            v = raw.get(key)
+            if (isinstance(v, str) and v) or _is_int(v):
+                return str(v)
+    return str(row_index)
+
+
+def _openai_parts(raw: dict) -> tuple[dict, str]:
+    """Check the envelope of an OpenAI Batch line; return (body, url)."""
+    body = raw.get("body")
+    if not isinstance(body, dict):
+        raise _RowError("'body' must be an object holding 'messages' or 'prompt' (OpenAI Batch format)")
+    body = {k: v for k, v in body.items() if v is not None}
+    method = raw.get("method", "POST")
+    if not isinstance(method, str) or method.upper() != "POST":
+        raise _RowError(f"'method' must be \"POST\", got {_show(method)}")
+    url = raw.get("url")
+    if url is None:  # not required by us: the body says which endpoint it is for
+        url = OPENAI_URLS[1] if "prompt" in body and "messages" not in body else OPENAI_URLS[0]
+    if url not in OPENAI_URLS:
+        raise _RowError(f"'url' must be {' or '.join(OPENAI_URLS)}, got {_show(url)}")
+    if url == OPENAI_URLS[0] and "prompt" in body and "messages" not in body:
+        raise _RowError("url /v1/chat/completions takes body.messages; use url /v1/completions for body.prompt")
+    if url == OPENAI_URLS[1] and "messages" in body:
+        raise _RowError("url /v1/completions takes body.prompt; use url /v1/chat/completions for body.messages")
+    return body, url
+
+
+def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
+    if not isinstance(raw, dict):
+        kind = "empty" if raw is None else f"a {type(raw).__name__}"
+        raise _RowError(f"the row is {kind}, not an object; write one JSON object with 'prompt' or 'messages'")
+    raw = {k: v for k, v in raw.items() if v is not None}  # null means absent (Parquet and JSON)
+    is_openai = "body" in raw or "custom_id" in raw
+    url = None
+    if is_openai:
+        body, url = _openai_parts(raw)
+        content_src, src, row_id = body, {**raw, **body}, _row_id(raw, "custom_id", row_index)
+    else:
+        content_src, src, row_id = raw, raw, _row_id(raw, "id", row_index)
+    messages = _messages(content_src)
+    system_prompt = src.get("system_prompt")
+    if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt):
+        raise _RowError(f"'system_prompt' must be the name of a loaded prompt artifact, got {_show(system_prompt)}")
+    if system_prompt is not None and messages[0]["role"] == "system":
+        raise _RowError("has both 'system_prompt' and a system message; keep one of them")
+    max_tokens = _opt_int(src, "max_tokens")
+    alias = _opt_int(src, "max_completion_tokens")
+    if max_tokens is not None and alias is not None and alias != max_tokens:
+        raise _RowError("'max_tokens' and 'max_completion_tokens' disagree; keep one of them")
+    max_tokens = max_tokens if max_tokens is not None else alias
+    ignore_eos = src.get("ignore_eos", d.ignore_eos)
+    if not isinstance(ignore_eos, bool):
+        raise _RowError(f"'ignore_eos' must be true or false, got {_show(ignore_eos)}")
+    values = {"max_tokens": max_tokens, "temperature": _opt_number(src, "temperature"),
+              "top_p": _opt_number(src, "top_p"), "top_k": _opt_int(src, "top_k"),
+              "seed": _opt_int(src, "seed")}
+    fallback = {"max_tokens": d.max_tokens, "temperature": d.temperature, "top_p": d.top_p,
+                "top_k": d.top_k, "seed": derive_seed(d.seed_base, row_index)}
+    chosen = {k: v if v is not None else fallback[k] for k, v in values.items()}
+    stop = _stop(src)
+    try:
+        sampling = SamplingParams(**chosen, stop=stop, ignore_eos=ignore_eos)
+    except ValueError as e:  # a range rule of SamplingParams; its message starts with the field
+        name, _, rest = str(e).partition(" ")
+        raise _RowError(f"'{name}' {rest}; fix the value or leave the field out to use the default") from None
+    return RequestRow(row_index=row_index, id=row_id, messages=messages, system_prompt=system_prompt,
+                      sampling=sampling, is_openai=is_openai, url=url)
+
+
+def parse_request(raw: dict | None, row_index: int,
+                  defaults: RequestDefaults | None = None) -> RequestRow | ResultRow:
+    """A valid row becomes a RequestRow; a bad one an error ResultRow (the job goes on)."""
+    try:
+        return _parse(raw, row_index, defaults if defaults is not None else RequestDefaults())
+    except _RowError as e:
+        url = raw.get("url") if isinstance(raw, dict) and raw.get("url") in OPENAI_URLS else None
+        return ResultRow.failed(row_index, _fallback_id(raw, row_index), f"row {row_index}: {e}", url=url)
