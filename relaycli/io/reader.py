@@ -1,0 +1,166 @@
+"""Streaming request readers: JSONL line by line, Parquet batch by batch.
+
+Memory stays flat however large the input: neither reader holds more than one
+line or one record batch. A row that cannot be read becomes a parse error for that
+row (the job goes on); only a file that cannot be opened at all raises InputError.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from relaycli.io.requests import RequestDefaults, RequestRow, ResultRow, parse_request
+
+FORMATS = ("jsonl", "parquet")
+_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+_PARQUET_BATCH_ROWS = 1024  # rows a Parquet batch holds in memory at once
+_BOM = b"\xef\xbb\xbf"
+
+# (row_index, the row as a dict or None, a one-line parse error or None)
+RawRow = tuple[int, "dict | None", "str | None"]
+
+
+class InputError(Exception):
+    """The input cannot be read at all; the message is one sentence for the user."""
+
+
+def detect_format(path: str | Path, fmt: str | None = None) -> str:
+    """'jsonl' or 'parquet': fmt when given, else from the file's extension."""
+    if fmt is not None:
+        if fmt.lower() not in FORMATS:
+            raise InputError(f"unknown input format {fmt!r}; use one of: {', '.join(FORMATS)}")
+        return fmt.lower()
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise InputError(f"cannot tell the format of {path} from its extension {suffix or '(none)'!r}; "
+                         "name it .jsonl or .parquet, or give the format explicitly")
+    return _SUFFIXES[suffix]
+
+
+class RequestSource(ABC):
+    """An opened input: `num_rows` up front (for progress), then rows in file order."""
+
+    def __init__(self, path: Path, fmt: str, num_rows: int) -> None:
+        self.path, self.fmt, self.num_rows = path, fmt, num_rows
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[RawRow]:
+        ...
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+
+def _is_blank(line: bytes) -> bool:
+    # One definition for counting and reading, so num_rows always equals the rows read.
+    return not line.strip()
+
+
+class JsonlSource(RequestSource):
+    """One JSON object a line; blank lines are neither rows nor errors."""
+
+    def __init__(self, path: Path) -> None:
+        num_rows, first = 0, None
+        with open(path, "rb", buffering=1 << 20) as f:
+            for line in f:
+                if not _is_blank(line):
+                    num_rows += 1
+                    if first is None:
+                        first = line.removeprefix(_BOM).strip()
+        if first in (b"[", b"{"):
+            # A pretty-printed JSON document would otherwise turn into one error per line.
+            raise InputError(f"{path} looks like pretty-printed JSON; relay reads JSON Lines: "
+                             "one complete object on each line")
+        super().__init__(path, "jsonl", num_rows)
+
+    def __iter__(self) -> Iterator[RawRow]:
+        row_index = 0
+        with open(self.path, "rb", buffering=1 << 20) as f:
+            for line_no, line in enumerate(f, start=1):
+                if _is_blank(line):
+                    continue
+                if line_no == 1:
+                    line = line.removeprefix(_BOM)
+                yield (row_index, *_parse_line(line, row_index, line_no))
+                row_index += 1
+
+
+def _parse_line(line: bytes, row_index: int, line_no: int) -> tuple[dict | None, str | None]:
+    where = f"row {row_index} (line {line_no})"
+    try:
+        value = json.loads(line)
+    except UnicodeDecodeError:
+        return None, f"{where}: not valid UTF-8; save the file as UTF-8"
+    except json.JSONDecodeError as e:
+        return None, f"{where}: not valid JSON ({e.msg} at column {e.colno}); write one JSON object per line"
+    if not isinstance(value, dict):
+        return None, (f"{where}: holds a JSON {type(value).__name__}, not an object; "
+                      "write one object with 'prompt' or 'messages' per line")
+    return value, None
+
+
+def _drop_nulls(row: dict) -> dict:
+    # A Parquet column exists for every row; a null there means the row leaves it out.
+    return {k: v for k, v in row.items() if v is not None}
+
+
+class ParquetSource(RequestSource):
+    """Parquet rows as dicts; nested columns (list<struct>, list<string>) come out as lists."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            num_rows = pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{path} is not a readable Parquet file ({_first_line(e)})") from None
+        super().__init__(path, "parquet", num_rows)
+
+    def __iter__(self) -> Iterator[RawRow]:
+        row_index = 0
+        try:
+            with pq.ParquetFile(self.path) as pf:
+                for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+                    for row in batch.to_pylist():
+                        yield row_index, _drop_nulls(row), None
+                        row_index += 1
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path} could not be read past row {row_index} ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def open_requests(path: str | Path, fmt: str | None = None) -> RequestSource:
+    """Open an input file; raises InputError with one sentence if that is not possible."""
+    path = Path(path)
+    kind = detect_format(path, fmt)
+    if not path.exists():
+        raise InputError(f"input file {path} does not exist")
+    if not path.is_file():
+        raise InputError(f"input {path} is not a file")
+    try:
+        return JsonlSource(path) if kind == "jsonl" else ParquetSource(path)
+    except PermissionError:
+        raise InputError(f"input file {path} cannot be read (permission denied)") from None
+
+
+def read_requests(source: Iterable[RawRow], defaults: RequestDefaults | None = None,
+                  skip: frozenset[int] | set[int] = frozenset()) -> Iterator[RequestRow | ResultRow]:
+    """Rows ready for the engine: RequestRows, and error ResultRows for bad rows.
+
+    `skip` holds the rows a resumed job already has (ResultWriter.done_row_indices()).
+    """
+    for row_index, raw, error in source:
+        if row_index in skip:
+            continue
+        if error is not None:
+            yield ResultRow.failed(row_index, str(row_index), error)
+        else:
+            yield parse_request(raw, row_index, defaults)
