@@ -1,0 +1,314 @@
+"""Crash-safe result writer: atomic parts while the job runs, one ordered file at the end.
+
+Results arrive out of order. They are buffered and written as *parts* in `OUT.parts/`:
+each a Parquet file sorted by row_index, written to a temp name, fsynced, renamed.
+A part therefore either exists whole or not at all, so after a crash the parts are
+exactly the finished rows (`--resume` skips them). `finalize` merges the parts in
+row order (a streaming k-way merge), checks each row appears exactly once, writes
+OUT atomically and removes the parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from relaycli.io.requests import OPENAI_URLS, ResultRow
+
+OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error")
+OUTPUT_SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False), pa.field("text", pa.string(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("prompt_tokens", pa.int64(), nullable=False), pa.field("cached_tokens", pa.int64(), nullable=False),
+    pa.field("completion_tokens", pa.int64(), nullable=False), pa.field("error", pa.string()),
+])
+# Parts also keep the row index (for ordering and resume) and the OpenAI url (for its output shape).
+_PART_SCHEMA = pa.schema([pa.field("row_index", pa.int64(), nullable=False), *OUTPUT_SCHEMA,
+                          pa.field("url", pa.string())])
+_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+_TMP = ".tmp-"  # prefix of every file not yet renamed into place; never a finished part
+_FAN_IN = 64  # parts merged at once: bounds open files and the memory of the merge
+_READ_ROWS = 512  # rows a part reader holds at once during the merge
+_WRITE_ROWS = 4096  # rows per Parquet batch of the output
+
+
+class OutputError(Exception):
+    """The output cannot be written or finished; the message is one sentence for the user."""
+
+
+def output_format(path: str | Path, fmt: str | None = None) -> str:
+    if fmt is not None:
+        if fmt.lower() not in ("parquet", "jsonl"):
+            raise OutputError(f"unknown output format {fmt!r}; use parquet or jsonl")
+        return fmt.lower()
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise OutputError(f"cannot tell the output format of {path} from its extension; name it .parquet or .jsonl")
+    return _SUFFIXES[suffix]
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename itself is only durable once the folder entry is on disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, write) -> None:
+    """write(file) into a temp sibling, fsync, rename onto path: readers see all or nothing."""
+    tmp = path.with_name(f"{_TMP}{path.name}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _rows_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pydict({f.name: [r[f.name] for r in rows] for f in _PART_SCHEMA}, schema=_PART_SCHEMA)
+
+
+def _read_part(path: Path) -> Iterator[dict]:
+    with pq.ParquetFile(path) as pf:
+        for batch in pf.iter_batches(batch_size=_READ_ROWS):
+            yield from batch.to_pylist()
+
+
+def _merge(paths: Iterable[Path]) -> Iterator[dict]:
+    """Rows of sorted parts in row order; a row found in two parts (a crash mid-merge) once."""
+    last = -1
+    for row in heapq.merge(*(_read_part(p) for p in paths), key=lambda r: r["row_index"]):
+        if row["row_index"] != last:
+            last = row["row_index"]
+            yield row
+
+
+def _batches(rows: Iterator[dict], size: int) -> Iterator[list[dict]]:
+    while batch := list(itertools.islice(rows, size)):
+        yield batch
+
+
+def _write_parquet(f, rows: Iterator[dict], schema: pa.Schema) -> None:
+    with pq.ParquetWriter(f, schema) as w:
+        for batch in _batches(rows, _WRITE_ROWS):
+            w.write_table(pa.Table.from_pydict({n: [r[n] for r in batch] for n in schema.names}, schema=schema))
+
+
+def _openai_line(row: dict, model: str, created: int) -> dict:
+    """One line of the OpenAI Batch output format, with ids derived from the row (stable on rerun)."""
+    digest = hashlib.sha256(f"{row['row_index']}:{row['id']}".encode()).hexdigest()
+    line = {"id": f"batch_req_{digest[:24]}", "custom_id": row["id"], "response": None, "error": None}
+    if row["finish_reason"] == "error":
+        line["error"] = {"code": "relay_error", "message": row["error"]}
+        return line
+    chat = row["url"] != OPENAI_URLS[1]
+    choice = {"index": 0, "logprobs": None, "finish_reason": row["finish_reason"]}
+    choice.update({"message": {"role": "assistant", "content": row["text"]}} if chat else {"text": row["text"]})
+    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
+             "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
+             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]}}
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[24:48]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": [choice], "usage": usage}
+    line["response"] = {"status_code": 200, "request_id": digest[48:64], "body": body}
+    return line
+
+
+def _count_rows(path: Path, fmt: str) -> int:
+    """Rows of a finished OUT (written by finalize, so it is whole and well-formed)."""
+    try:
+        if fmt == "parquet":
+            return pq.ParquetFile(path).metadata.num_rows
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except (pa.ArrowException, OSError) as e:
+        raise OutputError(f"{path} exists but cannot be read ({e}); remove it to run the job again") from None
+
+
+class ResultWriter:
+    """Buffer results, write them as atomic parts, merge them into OUT at finalize."""
+
+    def __init__(self, out_path: str | Path, fmt: str | None = None, resume: bool = False,
+                 openai_output: bool = False, flush_rows: int = 256, flush_seconds: float = 10.0,
+                 model_name: str = "relay") -> None:
+        self.out_path = Path(out_path)
+        self.fmt = output_format(self.out_path, fmt)
+        self.openai_output = openai_output and self.fmt == "jsonl"  # OpenAI lines exist only as JSONL
+        if not isinstance(flush_rows, int) or flush_rows < 1 or not flush_seconds > 0:
+            raise ValueError("flush_rows must be an integer >= 1 and flush_seconds a number > 0")
+        self.flush_rows, self.flush_seconds, self.model_name = flush_rows, flush_seconds, model_name
+        self.parts_dir = self.out_path.with_name(self.out_path.name + ".parts")
+        self.dropped_parts: list[Path] = []  # unreadable parts removed on resume (their rows rerun)
+        self.complete_rows: int | None = None  # rows of an OUT a previous run already finished
+        self._buffer: list[ResultRow] = []
+        self._done: set[int] = set()
+        self._seq = 0
+        self._last_flush = time.monotonic()
+        self._finalized = False
+        self._check_writable()
+        if not resume:
+            for p in (self.out_path, self.parts_dir):
+                if p.exists():
+                    raise OutputError(f"{p} already exists; pass --resume to continue that job or remove it")
+        else:
+            self._recover()
+
+    def _check_writable(self) -> None:
+        # Fail before any work (model loading, compute) if the results could never be saved.
+        parent = self.out_path.parent
+        if not parent.is_dir():
+            raise OutputError(f"the output folder {parent} does not exist; create it first")
+        if self.out_path.is_dir():
+            raise OutputError(f"the output path {self.out_path} is a folder; give a file name")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=_TMP + "probe-", dir=parent)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise OutputError(f"cannot write to the output folder {parent} ({e.strerror})") from None
+
+    def _recover(self) -> None:
+        for leftover in self.out_path.parent.glob(f"{_TMP}{self.out_path.name}"):
+            leftover.unlink()  # an OUT that a crash stopped mid-write
+        if self.out_path.exists():
+            self.complete_rows = _count_rows(self.out_path, self.fmt)
+            self._done = set(range(self.complete_rows))
+            return
+        if not self.parts_dir.is_dir():
+            return
+        for path in sorted(self.parts_dir.iterdir()):
+            if path.name.startswith(_TMP):
+                path.unlink()  # never renamed into place, so never counted as done
+                continue
+            try:
+                indices = pq.read_table(path, columns=["row_index"]).column(0).to_pylist()
+            except (pa.ArrowException, OSError):
+                path.unlink()  # only disk corruption gets here; its rows are simply computed again
+                self.dropped_parts.append(path)
+                continue
+            self._done.update(indices)
+
+    @property
+    def already_complete(self) -> bool:
+        """A resumed job whose OUT exists: there is nothing left to do."""
+        return self.complete_rows is not None
+
+    def done_row_indices(self) -> set[int]:
+        return set(self._done)
+
+    def write(self, result: ResultRow) -> None:
+        if self._finalized:
+            raise RuntimeError("write after finalize")
+        if not isinstance(result, ResultRow):
+            raise TypeError(f"write takes a ResultRow, got {type(result).__name__}")
+        if result.row_index in self._done:
+            raise ValueError(f"row {result.row_index} already has a result")
+        self._done.add(result.row_index)
+        self._buffer.append(result)
+        if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered results as one atomic part; after this they survive a crash."""
+        self._last_flush = time.monotonic()
+        if not self._buffer:
+            return
+        rows = sorted((vars(r) for r in self._buffer), key=lambda r: r["row_index"])
+        table = _rows_table(rows)
+        self.parts_dir.mkdir(exist_ok=True)
+        self._write_part(lambda f: pq.write_table(table, f))
+        self._buffer.clear()
+
+    def _write_part(self, write) -> Path:
+        # time_ns + pid keeps names unique across resumed runs without reading the folder.
+        self._seq += 1
+        path = self.parts_dir / f"part-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.parquet"
+        _write_atomically(path, write)
+        return path
+
+    def _parts(self) -> list[Path]:
+        if not self.parts_dir.is_dir():
+            return []
+        return sorted(p for p in self.parts_dir.iterdir() if p.suffix == ".parquet" and not p.name.startswith(_TMP))
+
+    def _reduce(self, parts: list[Path]) -> list[Path]:
+        """Merge rounds of _FAN_IN parts until one k-way merge can take them all."""
+        while len(parts) > _FAN_IN:
+            merged = []
+            for i in range(0, len(parts), _FAN_IN):
+                group = parts[i:i + _FAN_IN]
+                # The merged part lands before its sources go: a crash between leaves
+                # duplicates, which _merge and resume both collapse to one.
+                merged.append(self._write_part(lambda f, g=group: _write_parquet(f, _merge(g), _PART_SCHEMA)))
+                for p in group:
+                    p.unlink()
+            parts = merged
+        return parts
+
+    def _checked(self, rows: Iterator[dict], num_rows: int) -> Iterator[dict]:
+        expected = 0
+        for row in rows:
+            i = row["row_index"]
+            if i >= num_rows:
+                raise OutputError(f"{self.parts_dir} holds a result for row {i} but the input has "
+                                  f"{num_rows} rows; it belongs to another job: remove it")
+            if i != expected:
+                raise OutputError(f"row {expected} has no result; run the job again with --resume to compute it")
+            expected += 1
+            yield row
+        if expected != num_rows:
+            raise OutputError(f"row {expected} has no result; run the job again with --resume to compute it")
+
+    def finalize(self, num_rows: int) -> None:
+        """Merge all parts into OUT in row order, atomically; every row exactly once or OutputError."""
+        if self.complete_rows is not None:
+            if self.complete_rows != num_rows:
+                raise OutputError(f"{self.out_path} already holds {self.complete_rows} rows but the input has "
+                                  f"{num_rows}; it belongs to another job: remove it")
+        else:
+            self.flush()
+            rows = self._checked(_merge(self._reduce(self._parts())), num_rows)
+            _write_atomically(self.out_path, lambda f: self._write_output(f, rows))
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        self._finalized = True
+
+    def _write_output(self, f, rows: Iterator[dict]) -> None:
+        if self.fmt == "parquet":
+            _write_parquet(f, rows, OUTPUT_SCHEMA)
+            return
+        created = int(time.time())
+        for row in rows:
+            obj = (_openai_line(row, self.model_name, created) if self.openai_output
+                   else {k: row[k] for k in OUTPUT_COLUMNS})
+            f.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+
+    def close(self) -> None:
+        """Save what is buffered (finished results are never thrown away)."""
+        if not self._finalized:
+            self.flush()
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # Flush even when the job failed or was interrupted: those rows are done and
+        # a --resume run should not compute them again.
+        self.close()
