@@ -1,0 +1,66 @@
+"""Attention back ends behind one call: write this step's k/v, then attend.
+
+`relay`: system step per shared prefix (all queries at once) + context step + fusion.
+`no-relay`: the baseline, one softmax per request over prefix + own keys.
+`impl`: "torch" (kernels/reference.py, any device) or "triton" (CUDA kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels import reference
+from kernels.metadata import AttentionMetadata
+
+ATTENTION_MODES = ("relay", "no-relay")
+ATTENTION_IMPLS = ("torch", "triton")
+
+
+def triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+        from kernels import triton_ops  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class PagedAttention:
+    """Owns the per-layer paged KV cache and the per-layer KV of the loaded prefixes.
+
+    k_caches[layer], v_caches[layer]: [num_blocks, block_size, Hkv, D].
+    prefixes[slot] = (keys per layer, values per layer), each [S, Hkv, D].
+    """
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 prefixes: list[tuple[list[torch.Tensor], list[torch.Tensor]]], mode: str, impl: str,
+                 scale: float) -> None:
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.mode, self.impl, self.scale = mode, impl, scale
+        num_layers = len(k_caches)
+        # Per layer, the (k, v) of every prefix slot: what the kernels take.
+        self.prefix_layers = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
+        if impl == "triton":
+            from kernels import triton_ops
+            self._ops = triton_ops
+        else:
+            self._ops = reference
+
+    def attend_fn(self, meta: AttentionMetadata) -> Callable:
+        ops, scale = self._ops, self.scale
+        fn = ops.relay_attention if self.mode == "relay" else ops.prefix_paged_attention
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            return fn(q, k_cache, v_cache, meta, self.prefix_layers[layer], scale)
+
+        return attend

@@ -1,0 +1,33 @@
+"""Engine configuration, validated where it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences in flight (--max-batch)
+    max_num_batched_tokens: int = 4096  # prompt tokens one prefill step may take
+    block_size: int = 16
+    kv_cache_gb: float | None = None  # None: a share of free memory
+    kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
+    relay: bool = True  # False: the --no-relay baseline
+    attention_impl: str = "auto"  # auto | torch | triton
+    max_pending_rows: int | None = None  # rows read ahead of the batch; None: 4 x max_num_seqs
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-batch must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.attention_impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention impl must be auto, torch or triton, got {self.attention_impl!r}")
+        if self.max_pending_rows is None:
+            self.max_pending_rows = 4 * self.max_num_seqs

@@ -1,0 +1,51 @@
+"""Paged KV blocks for each sequence's own tokens. Plain Python: no torch here.
+
+A shared system prefix is never stored here: it is loaded once and read by every
+sequence that uses it, so blocks only ever hold a request's own tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from relaycli.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_for(seq.num_own_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for all own tokens the sequence has now (prompt and any output)."""
+        assert not seq.block_table, "sequence already has blocks"
+        need = self.blocks_for(seq.num_own_tokens)
+        if need > self.num_free_blocks:
+            raise RuntimeError("allocate called without can_allocate")
+        seq.block_table = [self.free_blocks.popleft() for _ in range(need)]
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for one more own token (a decode step)."""
+        return seq.num_own_tokens <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        if seq.num_own_tokens > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self.free_blocks.popleft())
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks.extend(seq.block_table)
+        seq.block_table = []
+        seq.num_cached_own = 0

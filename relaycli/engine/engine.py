@@ -1,0 +1,219 @@
+"""The library face of relay: an engine that takes request rows and yields result rows.
+
+The CLI, a Ray Data worker, a notebook and the tests all call this. Nothing here
+prints; progress is reported through an optional callback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from models.registry import LoadedModel
+from relaycli.config import EngineConfig
+from relaycli.engine.block_manager import BlockManager
+from relaycli.engine.model_runner import ModelRunner, PrefixKV
+from relaycli.engine.scheduler import Scheduler
+from relaycli.engine.sequence import SamplingOptions, Sequence
+from relaycli.io.requests import RequestRow, ResultRow
+from relaycli.prompts import PromptError, PromptMatcher
+
+
+@dataclass
+class TokenRequest:
+    """A request already in token ids (benchmarks, dummy models without a tokenizer)."""
+
+    row_index: int
+    id: str
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    prefix_slot: int | None = None  # the first prefix_len ids are that loaded prefix
+    url: str | None = None
+
+
+@dataclass
+class EngineStats:
+    rows: int = 0
+    errors: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    preemptions: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "started"}
+        elapsed = time.perf_counter() - self.started
+        d["elapsed_seconds"] = elapsed
+        d["generated_tokens_per_second"] = self.completion_tokens / elapsed if elapsed > 0 else 0.0
+        d["rows_per_second"] = self.rows / elapsed if elapsed > 0 else 0.0
+        return d
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    row_index: int
+    id: str
+    url: str | None
+    stop: tuple[str, ...]
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, artifacts: list = (), config: EngineConfig | None = None) -> None:
+        """artifacts: loaded .relaykv artifacts (name, system_text, token_ids, keys, values)."""
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.artifacts = list(artifacts)
+        self.runner = ModelRunner(loaded, [PrefixKV(a.keys, a.values) for a in self.artifacts], self.config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.matcher = PromptMatcher(loaded.tokenizer, self.artifacts) if loaded.tokenizer else None
+        self.max_context = loaded.config.max_position_embeddings
+        eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else frozenset(loaded.config.eos_token_ids)
+        self.eos_ids = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._live: dict[int, _Live] = {}
+
+    # ---- turning rows into sequences -------------------------------------------------
+    def _to_token_request(self, row: RequestRow) -> TokenRequest | ResultRow:
+        if self.matcher is None:
+            return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: this model has no tokenizer "
+                                    "(dummy weights); send token ids through Engine.generate_tokens", row.url)
+        try:
+            prepared = self.matcher.prepare(row.messages, row.system_prompt)
+        except PromptError as exc:
+            return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
+        if prepared.is_prefix_miss:
+            self.stats.prefix_misses += 1
+        elif prepared.prefix_slot is not None:
+            self.stats.prefix_hits += 1
+        sp = row.sampling
+        opts = SamplingOptions(
+            max_tokens=sp.max_tokens if sp.max_tokens is not None else self.max_context,
+            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            seed=sp.seed if sp.seed is not None else row.row_index, stop=tuple(sp.stop),
+            ignore_eos=sp.ignore_eos)
+        return TokenRequest(row.row_index, row.id, prepared.prompt_ids, opts, prepared.prefix_slot, row.url)
+
+    def _admit(self, req: TokenRequest) -> ResultRow | None:
+        """Queue a request, or return its error row when it can never run."""
+        num_prompt = len(req.prompt_ids)
+        if num_prompt >= self.max_context:
+            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt has {num_prompt} "
+                                    f"tokens, the model's context is {self.max_context}; shorten it", req.url)
+        prefix_len = 0 if req.prefix_slot is None else self.runner.prefixes[req.prefix_slot].num_tokens
+        opts = req.sampling
+        max_new = min(opts.max_tokens, self.max_context - num_prompt)
+        seq = Sequence(next(self._seq_ids), list(req.prompt_ids), opts, prefix_len, req.prefix_slot)
+        if not self.scheduler.fits_ever(seq, max_new):
+            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: prompt plus max_tokens needs "
+                                    f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
+                                    f"{self.block_manager.num_blocks * self.config.block_size}; lower max_tokens "
+                                    "or raise --kv-cache-gb", req.url)
+        seq.sampling = SamplingOptions(max_new, opts.temperature, opts.top_p, opts.top_k, opts.seed, opts.stop,
+                                       opts.ignore_eos)
+        self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, opts.stop)
+        self.scheduler.add(seq)
+        return None
+
+    # ---- the loop --------------------------------------------------------------------
+    def generate(self, rows: Iterable[RequestRow | ResultRow],
+                 on_step: Callable[[EngineStats], None] | None = None) -> Iterator[ResultRow]:
+        """Answer every row; error rows (already ResultRow) pass straight through."""
+        def token_requests():
+            for row in rows:
+                yield row if isinstance(row, ResultRow) else self._to_token_request(row)
+        return self.generate_tokens(token_requests(), on_step)
+
+    def generate_tokens(self, requests: Iterable[TokenRequest | ResultRow],
+                        on_step: Callable[[EngineStats], None] | None = None) -> Iterator[ResultRow]:
+        source = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and self.scheduler.num_unfinished < self.config.max_pending_rows:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                err = item if isinstance(item, ResultRow) else self._admit(item)
+                if err is not None:
+                    yield self._count(err)
+            if self.scheduler.num_unfinished == 0:
+                if exhausted:
+                    return
+                continue
+            for result in self._step():
+                yield self._count(result)
+            if on_step is not None:
+                on_step(self.stats)
+
+    def _count(self, result: ResultRow) -> ResultRow:
+        self.stats.rows += 1
+        if result.finish_reason == "error":
+            self.stats.errors += 1
+        else:
+            self.stats.prompt_tokens += result.prompt_tokens
+            self.stats.cached_tokens += result.cached_tokens
+            self.stats.completion_tokens += result.completion_tokens
+        return result
+
+    def _step(self) -> list[ResultRow]:
+        seqs, is_prefill = self.scheduler.schedule()
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if not seqs:
+            raise RuntimeError("scheduler found nothing to run with sequences pending")
+        t0 = time.perf_counter()
+        tokens = self.runner.run(seqs, is_prefill)
+        dt = time.perf_counter() - t0
+        if is_prefill:
+            self.stats.prefill_steps += 1
+            self.stats.prefill_seconds += dt
+        else:
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += dt
+        finished = []
+        for seq, tok in zip(seqs, tokens):
+            seq.output_ids.append(tok)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self.runner.sampler.forget(seq.seq_id)
+                finished.append(self._result(self._live.pop(seq.seq_id)))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        opts = seq.sampling
+        if not opts.ignore_eos and tok in self.eos_ids:
+            return "stop"
+        if opts.stop and self.loaded.tokenizer is not None:
+            text = self.loaded.tokenizer.decode(seq.output_ids)
+            cuts = [text.find(s) for s in opts.stop if s and s in text]
+            if cuts:
+                seq.stop_text_end = min(cuts)
+                return "stop"
+        if seq.num_completion_tokens >= opts.max_tokens or seq.num_tokens >= self.max_context:
+            return "length"
+        return None
+
+    def _result(self, live: _Live) -> ResultRow:
+        seq = live.seq
+        ids = seq.output_ids
+        if seq.finish_reason == "stop" and seq.stop_text_end is None and ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        text = self.loaded.tokenizer.decode(ids) if self.loaded.tokenizer is not None else ""
+        if seq.stop_text_end is not None:
+            text = text[:seq.stop_text_end]
+        return ResultRow(row_index=live.row_index, id=live.id, text=text, finish_reason=seq.finish_reason,
+                         prompt_tokens=len(seq.prompt_ids), cached_tokens=seq.num_prefix_tokens,
+                         completion_tokens=seq.num_completion_tokens, error=None, url=live.url)

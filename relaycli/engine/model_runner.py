@@ -1,0 +1,127 @@
+"""The only engine part that holds device state: weights, the paged KV cache, the
+loaded prefixes' KV, and the per-step tensors built from the scheduler's choice."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.backend import PagedAttention, triton_available
+from kernels.metadata import AttentionMetadata, PrefixGroup
+from models.registry import LoadedModel
+from relaycli.config import EngineConfig
+from relaycli.engine.sampler import Sampler
+from relaycli.engine.sequence import Sequence
+
+_CPU_DEFAULT_KV_GB = 2.0
+
+
+class PrefixKV:
+    """One loaded shared prefix: per-layer keys (post-RoPE) and values [S, Hkv, D]."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        assert len(keys) == len(values) and keys, "one (K, V) pair per layer"
+        self.keys, self.values = keys, values
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys[0].shape[0]
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, prefixes: list[PrefixKV], config: EngineConfig) -> None:
+        self.model = loaded.model
+        self.mc = loaded.config
+        self.device = loaded.model.device
+        self.dtype = loaded.model.dtype
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(config)
+        shape = (self.num_blocks, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
+        layers = range(self.mc.num_hidden_layers)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.prefixes = [PrefixKV([k.to(self.device, self.dtype) for k in p.keys],
+                                  [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes]
+        impl = config.attention_impl
+        if impl == "auto":
+            impl = "triton" if triton_available(self.device) else "torch"
+        self.attention_impl = impl
+        self.attention = PagedAttention(self.k_caches, self.v_caches,
+                                        [(p.keys, p.values) for p in self.prefixes],
+                                        "relay" if config.relay else "no-relay", impl,
+                                        self.mc.head_dim ** -0.5)
+        self.sampler = Sampler(self.device)
+
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim * elem
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        per_block = self.bytes_per_block()
+        if config.kv_cache_gb is not None:
+            budget = config.kv_cache_gb * 1024**3
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest prefill step and the logits.
+            reserve = 2 * 1024**3
+            budget = max(free * config.kv_cache_memory_fraction - reserve, per_block)
+        else:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(_CPU_DEFAULT_KV_GB * 1024**3, 0.25 * avail)
+        return max(int(budget // per_block), 1)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [seq.block_table[i // bs] * bs + i % bs for i in range(start, end)]
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool):
+        """-> input_ids [N], positions [N], metadata, rows of the last query of each sequence."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        for seq in seqs:
+            start = seq.num_cached_own if is_prefill else seq.num_own_tokens - 1
+            end = seq.num_own_tokens
+            own = seq.own_ids()
+            input_ids.extend(own[start:end])
+            positions.extend(range(seq.num_prefix_tokens + start, seq.num_prefix_tokens + end))
+            slots.extend(self._slots(seq, start, end))
+            cu.append(cu[-1] + end - start)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for b, seq in enumerate(seqs):
+            if seq.prefix_slot is not None:
+                seq_rows, q_rows = groups.setdefault(seq.prefix_slot, ([], []))
+                seq_rows.append(b)
+                q_rows.extend(range(cu[b], cu[b + 1]))
+        dev = self.device
+        meta = AttentionMetadata(
+            is_decode=not is_prefill,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(seqs))),
+            context_lens=torch.tensor([s.num_own_tokens for s in seqs], dtype=torch.int32, device=dev),
+            max_context_len=max(s.num_own_tokens for s in seqs),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_size=self.block_size,
+            prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens,
+                                       torch.tensor(rows, dtype=torch.int64, device=dev),
+                                       torch.tensor(q_rows, dtype=torch.int64, device=dev))
+                           for slot, (rows, q_rows) in sorted(groups.items())],
+        )
+        last_rows = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=dev)
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, last_rows)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One forward step for these sequences; returns the next token of each."""
+        input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+        hidden = self.model(input_ids, positions, self.attention.attend_fn(meta))
+        logits = self.model.compute_logits(hidden[last_rows])
+        for seq in seqs:
+            seq.num_cached_own = seq.num_own_tokens
+        return self.sampler.sample(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])

@@ -1,0 +1,82 @@
+"""Continuous batching: which sequences run in the next step. Plain Python.
+
+Each step is either a prefill step (new sequences' own prompt tokens, as many as the
+token budget and free blocks allow) or a decode step (one token for every running
+sequence). When the cache runs out during decode, the newest sequence is preempted:
+its blocks are freed and it is recomputed later (its prefix is never recomputed).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from relaycli.config import EngineConfig
+from relaycli.engine.block_manager import BlockManager
+from relaycli.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def fits_ever(self, seq: Sequence, extra_tokens: int) -> bool:
+        """Could this sequence, grown by extra_tokens, ever fit the whole cache?"""
+        need = self.block_manager.blocks_for(seq.num_own_tokens + extra_tokens)
+        return need <= self.block_manager.num_blocks
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """-> (sequences, is_prefill). Empty when nothing can run."""
+        scheduled: list[Sequence] = []
+        num_tokens = 0
+        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            own = seq.num_own_tokens
+            if scheduled and num_tokens + own > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            scheduled.append(seq)
+            num_tokens += own
+        if scheduled:
+            self.running.extend(scheduled)
+            return scheduled, True
+        decode: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                decode.append(seq)
+        return decode, False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.block_manager.free(seq)

@@ -1,0 +1,77 @@
+"""A request in flight: torch-free bookkeeping of its tokens and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingOptions:
+    """What the sampler and the stop rules need (a view of the row's SamplingParams)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Sequence:
+    """Token ids are the whole rendered prompt; the first num_prefix_tokens of them are
+    a loaded shared prefix (prefix_slot), whose KV lives outside the paged cache. Every
+    later token is the sequence's *own*: own token i sits at position num_prefix_tokens + i."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    num_prefix_tokens: int = 0
+    prefix_slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached_own: int = 0  # own tokens whose k/v are in the paged cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where a stop string cut the text
+
+    def __post_init__(self) -> None:
+        if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):
+            raise ValueError("a sequence has a prefix slot exactly when it has prefix tokens")
+        if len(self.prompt_ids) <= self.num_prefix_tokens:
+            raise ValueError("a sequence needs at least one own prompt token after its prefix")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_own_tokens(self) -> int:
+        return self.num_tokens - self.num_prefix_tokens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def own_ids(self) -> list[int]:
+        return self.prompt_ids[self.num_prefix_tokens:] + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
