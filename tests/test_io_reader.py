@@ -1,6 +1,7 @@
 """Streaming readers: JSONL and Parquet rows, nested columns, nulls, malformed and blank lines."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -139,3 +140,19 @@ def test_missing_file_directory_and_bad_parquet(tmp_path):
         open_requests(junk)
     except InputError as e:
         assert "\n" not in str(e)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_examples_parse_cleanly_and_parquet_matches_jsonl():
+    jsonl = list(read_requests(open_requests(EXAMPLES / "requests.jsonl")))
+    parquet = list(read_requests(open_requests(EXAMPLES / "requests.parquet")))
+    assert len(jsonl) == 120 and all(isinstance(r, RequestRow) for r in jsonl)
+    assert parquet == jsonl  # same rows, same sampling, same derived seeds
+    assert len({r.id for r in jsonl}) == 120
+    assert any(len(r.messages) > 2 for r in jsonl) and any(r.sampling.stop for r in jsonl)
+    batch = list(read_requests(open_requests(EXAMPLES / "openai_batch.jsonl")))
+    assert len(batch) >= 15 and all(isinstance(r, RequestRow) and r.is_openai for r in batch)
+    assert {r.url for r in batch} == {"/v1/chat/completions", "/v1/completions"}
+    assert len((EXAMPLES / "system_prompt.txt").read_text(encoding="utf-8")) >= 5000
