@@ -1,0 +1,246 @@
+"""Paged causal attention in Triton, with the relay fusion in its epilogue.
+
+One program takes a tile of (query, head-in-group) rows of one sequence and one KV head
+(decode: the G heads of the single query; prefill: BLOCK_M // G queries x G heads), so
+the GQA heads share each K/V tile. Query i of a sequence sits at own position
+context_len - q_len + i and sees own keys 0..that position.
+
+The same kernel serves the --no-relay baseline (triton_paged_decode.py): HAS_PREFIX puts
+the shared prefix in front of the own keys in one softmax, and the key range can be cut
+into splits that write fp32 partials. With MERGE_SYS the epilogue folds in the system
+step's partials (w = sigmoid(lse_sys - lse_ctx), per split) and writes the final o once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+from kernels.triton_system_attention import (LOG2E, _dense_loop, _finish, _merge_pair, _online_block,
+                                             split_plan)
+
+
+@triton.jit
+def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt,
+                PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK: tl.constexpr, IEEE: tl.constexpr):
+    """Own keys lo..hi through the block table; MASK adds the causal and end masks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        if MASK:
+            jmask = j < hi
+            blk = tl.load(bt_row + j // PAGE, mask=jmask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + j // PAGE).to(tl.int64)
+        tok = j % PAGE
+        # int64: a large cache is over 2**31 elements
+        k_off = blk * stride_kb + tok * stride_kt
+        v_off = blk * stride_vb + tok * stride_vt
+        if MASK:
+            k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=jmask[:, None], other=0.0)
+            v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=jmask[:, None], other=0.0)
+            valid = (j[None, :] <= qpos[:, None]) & jmask[None, :]
+        else:
+            k = tl.load(k_base + k_off[:, None] + offs_d[None, :])
+            v = tl.load(v_base + v_off[:, None] + offs_d[None, :])
+            valid = None
+        acc, m_i, l_i = _online_block(acc, m_i, l_i, q, k, v, valid, qk_scale, MASK, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
+                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
+                  group_id, prefix_len, keys_per_split, split_base, num_sys_splits, num_kv_heads,
+                  qk_scale,
+                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_ps, stride_ph, stride_bt,
+                  stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                  stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
+                  MERGE_SYS: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    h = tl.program_id(2) % num_kv_heads
+    split = tl.program_id(2) // num_kv_heads
+    if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
+        if tl.load(grp_ptr + seq) != group_id:
+            return
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if pid_m * BLOCK_M >= q_len * G:
+        return
+    ctx_len = tl.load(ctx_ptr + seq)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = r // G
+    head = h * G + r % G
+    rmask = i < q_len
+    row = q_start + i
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    first = ctx_len - q_len
+    qpos = first + i
+    # own keys every row of the tile sees, and keys at least one row sees
+    own_all = first + pid_m * BLOCK_M // G + 1
+    own_any = first + tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // G) + 1
+    pre = prefix_len  # 0 without a prefix
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, pre + own_any)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_PREFIX:
+        p_hi = tl.minimum(hi, pre)
+        p_mid = lo + tl.maximum(p_hi - lo, 0) // BLOCK_N * BLOCK_N
+        kp = kp_ptr + h * stride_ph
+        vp = vp_ptr + h * stride_ph
+        acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, kp, vp, lo, p_mid, qk_scale, stride_ps, stride_ps,
+                                    D, BLOCK_N, False, IEEE)
+        acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, kp, vp, p_mid, p_hi, qk_scale, stride_ps, stride_ps,
+                                    D, BLOCK_N, True, IEEE)
+    o_lo = tl.maximum(lo - pre, 0)
+    o_hi = hi - pre
+    o_mid = o_lo + tl.maximum(tl.minimum(o_hi, own_all) - o_lo, 0) // BLOCK_N * BLOCK_N
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    kc = kc_ptr + h * stride_kh
+    vc = vc_ptr + h * stride_vh
+    acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_lo, o_mid, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, False, IEEE)
+    acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_mid, o_hi, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, True, IEEE)
+    o, lse = _finish(acc, m_i, l_i)
+    if MERGE_SYS:  # relay fusion: fold in every split of the system step, then write once
+        for s in range(num_sys_splits):
+            lse_s = tl.load(sl_ptr + s * stride_sls + row * stride_sln + head, mask=rmask, other=float("-inf"))
+            o_s = tl.load(so_ptr + s * stride_sos + (row * stride_son + head * stride_soh)[:, None] + offs_d[None, :],
+                          mask=rmask[:, None], other=0.0)
+            o, lse = _merge_pair(o_s.to(tl.float32), lse_s, o, lse)
+    slot = split_base + split
+    o_off = slot * stride_os + row * stride_on + head * stride_oh
+    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr + slot * stride_ls + row * stride_ln + head, lse, mask=rmask)
+
+
+def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    assert q.dim() == 3 and q.stride(-1) == 1, f"q must be [N, Hq, D] with unit last stride, got {tuple(q.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
+        "k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "k_cache/v_cache need a unit last stride"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, \
+        f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
+    assert k_cache.shape[1] == meta.block_size, f"cache block size {k_cache.shape[1]} != meta {meta.block_size}"
+    assert k_cache.shape[3] == q.shape[2], f"head dim differs: q {q.shape[2]}, cache {k_cache.shape[3]}"
+    assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[2]}"
+    d = q.shape[2]
+    assert d >= 16 and d & (d - 1) == 0, f"head dim must be a power of two >= 16, got {d}"
+    assert q.shape[0] == meta.num_queries, f"q has {q.shape[0]} rows, metadata {meta.num_queries} queries"
+    for name, t in (("cu_seqlens_q", meta.cu_seqlens_q), ("context_lens", meta.context_lens),
+                    ("block_tables", meta.block_tables)):
+        assert t.dtype == torch.int32 and t.device == q.device, f"{name} must be int32 on {q.device}"
+        assert t.stride(-1) == 1, f"{name} needs a unit last stride"
+
+
+def paged_config(rows_per_seq: int, head_dim: int, device: torch.device) -> dict:
+    """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM."""
+    block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
+    big = block_m >= 128
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if big else 4, num_stages=3 if big else 2,
+                per_sm=1 if big else 4)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, *, out: torch.Tensor, lse: torch.Tensor | None = None, split_base: int = 0,
+                    keys_per_split: int = 1 << 30, num_splits: int = 1,
+                    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    seq_group: torch.Tensor | None = None, group_id: int = 0,
+                    sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    config: dict | None = None) -> None:
+    """Launch the paged kernel. Results go to out[split_base + s] (out is [splits, N, Hq, D]).
+
+    prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
+    with seq_group[b] == group_id run; sys_part: (o [s, N, Hq, D], lse [s, N, Hq]) merged in
+    the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None.
+    """
+    check_paged(q, k_cache, v_cache, meta)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // hkv
+    assert out.dim() == 4 and out.shape[1:] == q.shape and out.stride(-1) == 1, "out must be [splits, N, Hq, D]"
+    assert split_base + num_splits <= out.shape[0], "out has too few split slots"
+    assert sys_part is None or num_splits == 1, "the relay epilogue needs the whole context range in one program"
+    if lse is not None:
+        assert lse.shape == out.shape[:3] and lse.dtype == torch.float32 and lse.stride(-1) == 1
+    if prefix is not None:
+        kp, vp = prefix
+        assert kp.shape == vp.shape and kp.dim() == 3 and kp.shape[1:] == (hkv, d), "prefix must be [S, Hkv, D]"
+        assert kp.is_contiguous() and vp.is_contiguous(), "prefix k/v must be contiguous"
+        assert kp.dtype == q.dtype and vp.dtype == q.dtype, f"prefix dtype {kp.dtype} != q dtype {q.dtype}"
+    if sys_part is not None:
+        so, sl = sys_part
+        assert so.dim() == 4 and so.shape[1:] == q.shape and so.stride(-1) == 1, "o_sys must be [splits, N, Hq, D]"
+        assert sl.shape == so.shape[:3] and sl.dtype == torch.float32 and sl.stride(-1) == 1, \
+            "lse_sys must be [splits, N, Hq] fp32"
+    if seq_group is not None:
+        assert seq_group.shape == (meta.num_seqs,) and seq_group.dtype == torch.int32
+    if meta.num_seqs == 0 or q.shape[0] == 0:
+        return
+    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device))
+    cfg.pop("per_sm", None)
+    grid = (triton.cdiv(meta.max_seqlen_q * group, cfg["BLOCK_M"]), meta.num_seqs, hkv * num_splits)
+    kp, vp = prefix if prefix is not None else (k_cache, v_cache)
+    so, sl = sys_part if sys_part is not None else (out, out)
+    lse_t = lse if lse is not None else out
+    _paged_kernel[grid](
+        q, k_cache, v_cache, kp, vp, out, lse_t, so, sl,
+        meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+        seq_group if seq_group is not None else meta.context_lens,
+        group_id, kp.shape[0] if prefix is not None else 0, keys_per_split, split_base,
+        so.shape[0] if sys_part is not None else 0, hkv, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kp.stride(0) if prefix is not None else 0, kp.stride(1) if prefix is not None else 0,
+        meta.block_tables.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse_t.stride(0) if lse is not None else 0, lse_t.stride(1) if lse is not None else 0,
+        so.stride(0), so.stride(1), so.stride(2),
+        sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
+        G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
+        MERGE_SYS=sys_part is not None, WRITE_LSE=lse is not None, IEEE=q.dtype == torch.float32, **cfg)
+
+
+def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, o_sys: torch.Tensor | None = None, lse_sys: torch.Tensor | None = None,
+                      config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as kernels.reference.context_attention, plus the optional relay fusion.
+
+    q [N, Hq, D], caches [num_blocks, block_size, Hkv, D] -> o [N, Hq, D], lse [N, Hq] fp32.
+    With o_sys [N, Hq, D] or [splits, N, Hq, D] and lse_sys [N, Hq] or [splits, N, Hq]
+    (-inf where a row has no prefix), o is the merged result and lse that of S u C.
+    """
+    assert (o_sys is None) == (lse_sys is None), "pass o_sys and lse_sys together"
+    sys_part = None
+    if o_sys is not None:
+        sys_part = (o_sys[None], lse_sys[None]) if o_sys.dim() == 3 else (o_sys, lse_sys)
+    out = torch.empty((1,) + tuple(q.shape), dtype=q.dtype, device=q.device)
+    lse = torch.empty((1,) + tuple(q.shape[:2]), dtype=torch.float32, device=q.device)
+    paged_attention(q, k_cache, v_cache, meta, scale, out=out, lse=lse, sys_part=sys_part, config=config)
+    return out[0], lse[0]
+
+
+def context_splits(meta: AttentionMetadata, num_kv_heads: int, group: int, device: torch.device,
+                   extra_keys: int = 0, num_splits: int | None = None) -> tuple[int, int]:
+    """Split-K plan over (extra_keys + own keys) for sequences too few to fill the chip."""
+    cfg = paged_config(meta.max_seqlen_q * group, 0, device)
+    programs = meta.num_seqs * num_kv_heads * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
+    return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
+                      min_keys=512, per_sm=cfg.get("per_sm", 1))

@@ -1,0 +1,90 @@
+"""Triton attention entry points with the signatures of kernels/reference.py.
+
+relay_attention: one system-attention launch per prefix group (all of its queries and
+the G heads of a KV head stacked, split-K over the prefix into fp32 partials), then one
+paged context launch whose epilogue merges those partials and writes o once. When the
+own contexts are long and the sequences few, the context step is split too; its
+partials then join the system ones in the same buffer and one merge kernel finishes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.metadata import AttentionMetadata
+from kernels.triton_context_attention import check_paged, context_splits, paged_attention
+from kernels.triton_paged_decode import group_prefixes
+from kernels.triton_paged_decode import prefix_paged_attention as _baseline
+from kernels.triton_system_attention import merge_partials, split_plan, system_attention_into, system_config
+
+__all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv"]
+
+
+def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """RelayAttention; same contract as kernels.reference.relay_attention. Returns o [N, Hq, D]."""
+    return relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale)
+
+
+def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float, *,
+                         sys_splits: int | None = None, ctx_splits: int | None = None,
+                         sys_config: dict | None = None, ctx_config: dict | None = None) -> torch.Tensor:
+    """relay_attention with the split factors and tile configs exposed (tests, tuning)."""
+    check_paged(q, k_cache, v_cache, meta)
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    groups = group_prefixes(meta, prefixes)
+    c_splits, c_per = context_splits(meta, hkv, group, q.device, 0, ctx_splits)
+    s_splits = 0
+    if groups:
+        rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group
+        s_cfg = dict(sys_config or system_config(rows, d, q.device))
+        programs = triton.cdiv(rows, s_cfg["BLOCK_M"]) * hkv
+        longest = max(k.shape[0] for _, k, _ in groups)
+        s_splits, _ = split_plan(longest, programs, q.device, s_cfg["BLOCK_N"], sys_splits,
+                                 per_sm=s_cfg.get("per_sm", 1))
+    if not groups and c_splits == 1:
+        out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config)
+        return out[0]
+    extra = c_splits if c_splits > 1 else 0
+    o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
+    if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
+        lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
+    for g, k_sys, v_sys in groups:
+        assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
+        system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
+                              rows=g.query_indices, num_splits=s_splits, config=sys_config)
+    if c_splits == 1:
+        out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config,
+                        sys_part=(o_part[:s_splits], lse_part[:s_splits]))
+        return out[0]
+    paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
+                    keys_per_split=c_per, num_splits=c_splits, config=ctx_config)
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
+
+
+def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """The --no-relay baseline; same contract as kernels.reference.prefix_paged_attention."""
+    return _baseline(q, k_cache, v_cache, meta, prefixes, scale)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's k/v [N, Hkv, D] at their flat slots of the paged cache (in place)."""
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [num_blocks, block_size, Hkv, D]"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous to be viewed flat"
+    assert k.shape == v.shape and k.dim() == 3 and k.shape[1:] == k_cache.shape[2:], \
+        f"k/v must be [N, Hkv, D] = [N, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(k.shape)}"
+    assert slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64, "slot_mapping must be [N] int64"
+    assert slot_mapping.device == k_cache.device == k.device, "everything must be on one device"
+    flat_k = k_cache.view(-1, k.shape[1], k.shape[2])
+    flat_v = v_cache.view(-1, v.shape[1], v.shape[2])
+    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))

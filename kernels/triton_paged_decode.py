@@ -1,0 +1,76 @@
+"""The --no-relay baseline in Triton: per-request attention over prefix + own keys.
+
+Each request reads its shared prefix itself (as vLLM's prefix caching does) and its own
+paged keys, all in ONE online softmax (the paged kernel of triton_context_attention with
+HAS_PREFIX). Decode has one query per request, so B * Hkv programs can be too few to
+keep every multiprocessor streaming at 8k keys; the key range is then cut into splits
+(flash-decoding) whose fp32 partials are merged by the system file's merge kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.triton_context_attention import check_paged, context_splits, paged_attention
+from kernels.triton_system_attention import merge_partials
+
+
+def group_prefixes(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]]):
+    """[(group, k_sys, v_sys)] for the step's non-empty prefix groups, checked against the metadata."""
+    out = []
+    for group in meta.prefix_groups:
+        assert 0 <= group.prefix_slot < len(prefixes), f"prefix slot {group.prefix_slot} is not loaded"
+        k_sys, v_sys = prefixes[group.prefix_slot]
+        assert k_sys.shape[0] == group.num_prefix_tokens, \
+            f"prefix slot {group.prefix_slot} has {k_sys.shape[0]} tokens, metadata says {group.num_prefix_tokens}"
+        if group.seq_indices.shape[0]:
+            out.append((group, k_sys, v_sys))
+    return out
+
+
+def sequence_groups(meta: AttentionMetadata, groups) -> tuple[torch.Tensor | None, bool]:
+    """(seq_group [B] int32 or None, whether some sequences have no prefix).
+
+    None when one group holds every sequence: then no launch needs to filter.
+    """
+    covered = sum(int(g.seq_indices.shape[0]) for g, _, _ in groups)
+    rest = covered < meta.num_seqs
+    if len(groups) == 1 and not rest:
+        return None, False
+    if not groups:
+        return None, True
+    seq_group = torch.full((meta.num_seqs,), -1, dtype=torch.int32, device=meta.context_lens.device)
+    for gid, (g, _, _) in enumerate(groups):
+        seq_group[g.seq_indices] = gid
+    return seq_group, rest
+
+
+def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Same contract as kernels.reference.prefix_paged_attention.
+
+    q [N, Hq, D]; caches [num_blocks, block_size, Hkv, D]; prefixes[slot] = (k, v) [S, Hkv, D].
+    Returns o [N, Hq, D] in q's dtype. num_splits forces the split-K factor (tests, tuning).
+    """
+    check_paged(q, k_cache, v_cache, meta)
+    hkv = k_cache.shape[2]
+    group_size = q.shape[1] // hkv
+    groups = group_prefixes(meta, prefixes)
+    longest = max((k.shape[0] for _, k, _ in groups), default=0)
+    splits, per = context_splits(meta, hkv, group_size, q.device, longest, num_splits)
+    if splits == 1:
+        out, lse = torch.empty((1,) + tuple(q.shape), dtype=q.dtype, device=q.device), None
+    else:
+        out = torch.empty((splits,) + tuple(q.shape), dtype=torch.float32, device=q.device)
+        lse = torch.empty((splits,) + tuple(q.shape[:2]), dtype=torch.float32, device=q.device)
+    seq_group, rest = sequence_groups(meta, groups)
+    common = dict(out=out, lse=lse, keys_per_split=per, num_splits=splits, seq_group=seq_group, config=config)
+    for gid, (_, k_sys, v_sys) in enumerate(groups):
+        paged_attention(q, k_cache, v_cache, meta, scale, prefix=(k_sys, v_sys), group_id=gid, **common)
+    if rest:
+        paged_attention(q, k_cache, v_cache, meta, scale, group_id=-1, **common)
+    if splits == 1:
+        return out[0]
+    return merge_partials(out, lse, q.dtype, with_lse=False)[0]

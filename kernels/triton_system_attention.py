@@ -1,0 +1,276 @@
+"""System attention in Triton: every query of a batch against one shared prefix.
+
+For KV head h the G query heads of all n queries form one [n*G, D] matrix (row r is
+query r // G, head h*G + r % G), so one tile of K_S/V_S read from HBM serves BLOCK_M
+rows through tl.dot. When n*G is small the prefix is cut into `num_splits` chunks
+(flash-decoding): each program writes a partial (o, lse) in fp32, and the partials are
+merged exactly, either by `_merge_kernel` here or in the epilogue of the context kernel.
+
+The online-softmax helpers below are shared with the paged kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _online_block(acc, m_i, l_i, q, k, v, valid, qk_scale, MASK: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the online softmax, scores in the log2 domain.
+
+    q [BM, D], k/v [BN, D], valid [BM, BN] (read only when MASK). m_i starts at a finite
+    -1e30 so a fully masked tile yields p = 0 instead of NaN.
+    """
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dense_loop(acc, m_i, l_i, q, k_base, v_base, lo, hi, qk_scale, stride_ks, stride_vs,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    """Keys lo..hi of a contiguous [S, ., D] tensor (k_base/v_base already at the head)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + offs_n
+        if MASK:
+            kmask = keys < hi
+            k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            valid = kmask[None, :]
+        else:
+            k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :])
+            valid = None
+        acc, m_i, l_i = _online_block(acc, m_i, l_i, q, k, v, valid, qk_scale, MASK, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finish(acc, m_i, l_i):
+    """Normalised o [BM, D] fp32 and natural-log lse [BM]; no keys -> (0, -inf)."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
+@triton.jit
+def _merge_pair(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two disjoint-key results; equals w*o_a + (1-w)*o_b, w = sigmoid(lse_a - lse_b).
+
+    A side with lse = -inf contributes nothing, even if its o holds garbage.
+    """
+    m = tl.maximum(lse_a, lse_b)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(lse_a - m)
+    w_b = tl.exp(lse_b - m)
+    den = w_a + w_b
+    num = tl.where(w_a[:, None] > 0, o_a * w_a[:, None], 0.0) + tl.where(w_b[:, None] > 0, o_b * w_b[:, None], 0.0)
+    safe = tl.where(den == 0.0, 1.0, den)
+    return num / safe[:, None], tl.where(den == 0.0, float("-inf"), m + tl.log(safe))
+
+
+@triton.jit
+def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
+                   n_queries, seq_len, keys_per_split, qk_scale,
+                   stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = r // G
+    head = h * G + r % G
+    rmask = n < n_queries
+    if HAS_ROWS:  # a prefix group: its queries are scattered rows of the packed batch
+        row = tl.load(rows_ptr + n, mask=rmask, other=0)
+    else:
+        row = n
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, seq_len)
+    mid = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = k_ptr + h * stride_kh
+    v_base = v_ptr + h * stride_vh
+    # Full tiles need no mask; only the chunk's ragged tail does.
+    acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, k_base, v_base, lo, mid, qk_scale, stride_ks,
+                                stride_vs, D, BLOCK_N, False, IEEE)
+    acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, k_base, v_base, mid, hi, qk_scale, stride_ks,
+                                stride_vs, D, BLOCK_N, True, IEEE)
+    o, lse = _finish(acc, m_i, l_i)
+    o_off = split * stride_os + row * stride_on + head * stride_oh
+    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(lse_ptr + split * stride_ls + row * stride_ln + head, lse, mask=rmask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
+                  stride_ps, stride_pn, stride_ph, stride_qs, stride_qn,
+                  stride_on, stride_oh, stride_ln,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads."""
+    n = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    offs_d = tl.arange(0, D)
+    o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(pl_ptr + s * stride_qs + n * stride_qn + heads, mask=hmask, other=float("-inf"))
+        o_s = tl.load(po_ptr + s * stride_ps + n * stride_pn + heads[:, None] * stride_ph + offs_d[None, :],
+                      mask=hmask[:, None], other=0.0)
+        o, lse = _merge_pair(o, lse, o_s, lse_s)
+    tl.store(o_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr + n * stride_ln + heads, lse, mask=hmask)
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors to fill; a small number under the interpreter so splits get exercised."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
+               num_splits: int | None = None, min_keys: int = 256, per_sm: int = 1) -> tuple[int, int]:
+    """(num_splits, keys_per_split) for `programs` independent tiles over num_keys keys.
+
+    Time is modelled as waves * keys per program, waves = ceil(programs * splits / slots)
+    with per_sm resident programs per multiprocessor, plus 64 keys' worth per split for
+    writing and merging its partial: a batch that already fills the chip stays unsplit.
+    """
+    if num_splits is None:
+        slots = num_sms(device) * per_sm
+        most = max(1, num_keys // min_keys) if programs < slots else 1
+        cost = [(math.ceil(programs * s / slots) * math.ceil(num_keys / s / block_n) * block_n + 64 * s, s)
+                for s in range(1, most + 1)]
+        num_splits = min(cost)[1]
+    num_splits = max(1, min(num_splits, max(num_keys, 1)))
+    per = math.ceil(max(num_keys, 1) / num_splits)
+    per = math.ceil(per / block_n) * block_n
+    return num_splits, per
+
+
+def system_config(rows: int, head_dim: int, device: torch.device) -> dict:
+    """Tile shape for a [rows, D] x [S, D]^T problem: 128-row tiles once there are enough rows."""
+    block_m = 128 if rows >= 256 else (64 if rows > 32 or device.type == "cuda" else 32 if rows > 16 else 16)
+    # one 128-row program per SM (Q tile + 3 K/V stages ~128 KB of shared memory), two of 64 rows
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4, num_stages=3,
+                per_sm=1 if block_m == 128 else 2)
+
+
+def check_prefix(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> None:
+    assert q.dim() == 3 and q.stride(-1) == 1, f"q must be [N, Hq, D] with unit last stride, got {tuple(q.shape)}"
+    assert k_sys.dim() == 3 and k_sys.shape == v_sys.shape, "k_sys/v_sys must both be [S, Hkv, D]"
+    assert k_sys.stride(-1) == 1 and v_sys.stride(-1) == 1, "k_sys/v_sys need a unit last stride"
+    assert k_sys.dtype == v_sys.dtype == q.dtype, f"dtypes differ: q {q.dtype}, k_sys {k_sys.dtype}, v_sys {v_sys.dtype}"
+    assert k_sys.shape[2] == q.shape[2], f"head dim differs: q {q.shape[2]}, k_sys {k_sys.shape[2]}"
+    assert q.shape[1] % k_sys.shape[1] == 0, f"Hq={q.shape[1]} is not a multiple of Hkv={k_sys.shape[1]}"
+    d = q.shape[2]
+    assert d >= 16 and d & (d - 1) == 0, f"head dim must be a power of two >= 16, got {d}"
+    assert q.device == k_sys.device == v_sys.device, "q and the prefix must be on one device"
+
+
+def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
+                          o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None = None,
+                          num_splits: int | None = None, config: dict | None = None) -> None:
+    """Write per-split results of q[rows] against the prefix into o_part[s, rows], lse_part[s, rows].
+
+    q [N, Hq, D]; k_sys/v_sys [S, Hkv, D]; rows [n] int64 or None (all N rows);
+    o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32.
+    num_splits must equal o_part.shape[0]; a chunk with no keys gets (0, -inf).
+    """
+    check_prefix(q, k_sys, v_sys)
+    n_q = q.shape[0] if rows is None else rows.shape[0]
+    hkv = k_sys.shape[1]
+    group = q.shape[1] // hkv
+    assert o_part.shape[1:] == q.shape and lse_part.shape == o_part.shape[:3], "partial buffers mis-shaped"
+    assert o_part.stride(-1) == 1 and lse_part.stride(-1) == 1 and lse_part.dtype == torch.float32
+    splits = o_part.shape[0] if num_splits is None else num_splits
+    assert splits == o_part.shape[0], "num_splits must match o_part's first dim"
+    if rows is not None:
+        assert rows.dim() == 1 and rows.dtype == torch.int64, "rows must be [n] int64"
+    if n_q == 0:
+        return
+    cfg = dict(config or system_config(n_q * group, q.shape[2], q.device))
+    cfg.pop("per_sm", None)
+    seq_len = k_sys.shape[0]
+    per = math.ceil(math.ceil(max(seq_len, 1) / splits) / cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    grid = (triton.cdiv(n_q * group, cfg["BLOCK_M"]), hkv, splits)
+    _system_kernel[grid](
+        q, k_sys, v_sys, rows if rows is not None else q, o_part, lse_part,
+        n_q, seq_len, per, scale * LOG2E,
+        q.stride(0), q.stride(1), k_sys.stride(0), k_sys.stride(1), v_sys.stride(0), v_sys.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, **cfg)
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,
+                   with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32."""
+    splits, n, heads, d = o_part.shape
+    o = torch.empty(n, heads, d, dtype=out_dtype, device=o_part.device)
+    lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
+    if n == 0:
+        return o, lse
+    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // d))
+    _merge_kernel[(n, triton.cdiv(heads, block_h))](
+        o_part, lse_part, o, lse if with_lse else o, splits, heads,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,
+        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, num_warps=4)
+    return o, lse
+
+
+def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
+                     num_splits: int | None = None, config: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as kernels.reference.system_attention.
+
+    q [N, Hq, D], k_sys/v_sys [S, Hkv, D] -> o [N, Hq, D] (q's dtype), lse [N, Hq] fp32.
+    """
+    check_prefix(q, k_sys, v_sys)
+    n, hq, d = q.shape
+    cfg = dict(config or system_config(n * hq // k_sys.shape[1], d, q.device))
+    programs = triton.cdiv(n * hq // k_sys.shape[1], cfg["BLOCK_M"]) * k_sys.shape[1]
+    splits, _ = split_plan(k_sys.shape[0], programs, q.device, cfg["BLOCK_N"], num_splits, per_sm=cfg.get("per_sm", 1))
+    if splits == 1:  # write the final result straight away, no partial round trip
+        o = torch.empty_like(q)
+        lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+        system_attention_into(q, k_sys, v_sys, scale, o[None], lse[None], None, 1, cfg)
+        return o, lse
+    o_part = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
+    system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, None, splits, cfg)
+    return merge_partials(o_part, lse_part, q.dtype)
