@@ -1,0 +1,209 @@
+"""Triton attention kernels against kernels/reference.py and float64 textbook attention.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on small fp32/fp16 shapes (the
+interpreter gets bf16 tl.dot wrong); with CUDA, larger shapes in bf16/fp16/fp32 too.
+Inputs are fresh random draws on every run.
+"""
+
+import dataclasses
+import importlib
+import math
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+_MODULES = ["kernels.triton_system_attention", "kernels.triton_context_attention",
+            "kernels.triton_paged_decode", "kernels.triton_ops"]
+# @triton.jit picks interpreter or compiler at import: re-import modules someone loaded earlier
+for _name in _MODULES:
+    if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+        importlib.reload(sys.modules[_name])
+
+from kernels import reference as ref  # noqa: E402
+from kernels.triton_context_attention import context_attention  # noqa: E402
+from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
+from kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
+from kernels.triton_system_attention import system_attention  # noqa: E402
+from tests.helpers_attention import expected_output, random_problem  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}  # relative L2 error
+SMALL_CTX = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)  # many tiles, so splits really cut
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert torch.isfinite(got).all(), "non-finite output (unwritten or NaN)"
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def shapes(rng: random.Random, decode: bool, big: bool = False) -> dict:
+    num_kv = rng.choice([1, 2] if not big else [2, 4, 8])
+    group = rng.choice([1, 3, 4])
+    num_seqs = rng.randint(1, 5) if not big else rng.randint(20, 48)
+    ctx = [rng.randint(1, 60 if not big else 700) for _ in range(num_seqs)]
+    q_lens = [1 if decode else rng.randint(1, c) for c in ctx]
+    prefix_lens = [rng.randint(1, 180 if not big else 3000), rng.randint(1, 40 if not big else 400)]
+    prefix_of = [rng.choice([0, 0, 1, 2]) for _ in range(num_seqs)]  # 2 = no prefix
+    return dict(q_lens=q_lens, ctx_lens=ctx, prefix_of=prefix_of, prefix_lens=prefix_lens,
+                num_q_heads=num_kv * group, num_kv_heads=num_kv, head_dim=rng.choice([16, 32] if not big else [64, 128]),
+                block_size=rng.choice([4, 16]))
+
+
+def make(shape: dict, dtype: torch.dtype):
+    q, kc, vc, prefixes, meta = random_problem(**shape, dtype=dtype, device=DEVICE)
+    return q, kc, vc, prefixes, meta, 1.0 / math.sqrt(shape["head_dim"])
+
+
+def upcast(q, kc, vc, prefixes):
+    return q.float(), kc.float(), vc.float(), [(k.float(), v.float()) for k, v in prefixes]
+
+
+def textbook(shape, q, kc, vc, prefixes, meta, scale) -> torch.Tensor:
+    """float64 attention over prefix + own keys, computed on the CPU."""
+    cpu = lambda t: t.detach().cpu().double()  # noqa: E731
+    meta_cpu = dataclasses.replace(meta, cu_seqlens_q=meta.cu_seqlens_q.cpu(), context_lens=meta.context_lens.cpu(),
+                                   block_tables=meta.block_tables.cpu(), slot_mapping=meta.slot_mapping.cpu(),
+                                   prefix_groups=[], _cache={})
+    want = expected_output(cpu(q), cpu(kc), cpu(vc), [(cpu(k), cpu(v)) for k, v in prefixes], meta_cpu,
+                           shape["prefix_of"], scale)
+    return want.to(q.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_system_attention(dtype, splits):
+    rng = random.Random()
+    hkv, group, d = rng.choice([1, 2]), rng.choice([1, 3, 4]), rng.choice([16, 32])
+    n, s = rng.randint(1, 40), rng.randint(1, 300)
+    q = torch.randn(n, hkv * group, d, device=DEVICE).to(dtype)
+    k, v = (torch.randn(s, hkv, d, device=DEVICE).to(dtype) for _ in range(2))
+    o, lse = system_attention(q, k, v, 0.2, num_splits=splits)
+    want_o, want_lse = ref.system_attention(q.float(), k.float(), v.float(), 0.2)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert rel_err(o, want_o) < TOL[dtype]
+    assert torch.allclose(lse, want_lse, atol=1e-4, rtol=1e-5)
+    row = rng.randrange(n)
+    naive = ref.naive_attention(q[row:row + 1].cpu(), k.cpu(), v.cpu(), 0.2, s)
+    assert rel_err(o[row:row + 1].cpu(), naive) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decode", [True, False])
+def test_context_attention_and_fused_merge(dtype, decode):
+    q, kc, vc, prefixes, meta, scale = make(shapes(random.Random(), decode), dtype)
+    want_o, want_lse = ref.context_attention(q.float(), kc.float(), vc.float(), meta, scale)
+    o, lse = context_attention(q, kc, vc, meta, scale)
+    assert rel_err(o, want_o) < TOL[dtype]
+    assert torch.allclose(lse, want_lse, atol=1e-4, rtol=1e-5)
+    # fusion: random system results, one row with no prefix (lse = -inf, o garbage-free zeros)
+    o_sys = torch.randn_like(q)
+    lse_sys = torch.randn(lse.shape, device=DEVICE) * 3
+    lse_sys[0] = float("-inf")
+    fused, fused_lse = context_attention(q, kc, vc, meta, scale, o_sys=o_sys, lse_sys=lse_sys)
+    want = ref.merge_attention(o_sys.float(), lse_sys, want_o, want_lse)
+    assert rel_err(fused, want) < TOL[dtype]
+    assert torch.allclose(fused_lse, torch.logaddexp(lse_sys, want_lse), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("forced", [False, True])
+def test_relay_attention(dtype, decode, forced):
+    shape = shapes(random.Random(), decode)
+    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
+    if forced:  # system split 3 ways, context split 2 ways: partials meet in the merge kernel
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=3, ctx_splits=2, ctx_config=SMALL_CTX)
+    else:
+        got = relay_attention(q, kc, vc, meta, prefixes, scale)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert rel_err(got, ref.relay_attention(*upcast(q, kc, vc, prefixes)[:3], meta,
+                                            upcast(q, kc, vc, prefixes)[3], scale)) < TOL[dtype]
+    assert rel_err(got, textbook(shape, q, kc, vc, prefixes, meta, scale)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_prefix_paged_attention(dtype, decode, splits):
+    shape = shapes(random.Random(), decode)
+    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
+    if splits is None:
+        got = prefix_paged_attention(q, kc, vc, meta, prefixes, scale)
+    else:
+        got = baseline_with(q, kc, vc, meta, prefixes, scale, num_splits=splits, config=SMALL_CTX)
+    qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
+    assert rel_err(got, ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale)) < TOL[dtype]
+    assert rel_err(got, textbook(shape, q, kc, vc, prefixes, meta, scale)) < TOL[dtype]
+
+
+def test_relay_without_prefix_groups_is_context_attention():
+    shape = shapes(random.Random(), decode=False)
+    q, kc, vc, prefixes, meta, scale = make(shape, torch.float32)
+    meta.prefix_groups = []
+    got = relay_attention(q, kc, vc, meta, prefixes, scale)
+    assert rel_err(got, ref.context_attention(q, kc, vc, meta, scale)[0]) < 1e-4
+    assert rel_err(prefix_paged_attention(q, kc, vc, meta, prefixes, scale), got) < 1e-4
+
+
+def test_write_kv_matches_reference():
+    q, kc, vc, prefixes, meta, scale = make(shapes(random.Random(), decode=False), torch.float16)
+    k_new = torch.randn(meta.num_queries, kc.shape[2], kc.shape[3], device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    want_k, want_v = kc.clone(), vc.clone()
+    ref.write_kv(want_k, want_v, k_new, v_new, meta.slot_mapping)
+    write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_launchers_reject_bad_inputs():
+    q, kc, vc, prefixes, meta, scale = make(shapes(random.Random(), decode=True), torch.float32)
+    with pytest.raises(AssertionError, match="dtypes differ"):
+        relay_attention(q.half(), kc, vc, meta, prefixes, scale)
+    with pytest.raises(AssertionError, match="unit last stride"):
+        relay_attention(q, kc.transpose(-1, -2), vc.transpose(-1, -2), meta, prefixes, scale)
+    gqa = dict(shapes(random.Random(), decode=True), num_q_heads=4, num_kv_heads=2)
+    q2, kc2, vc2, _, meta2, _ = make(gqa, torch.float32)
+    with pytest.raises(AssertionError, match="not a multiple"):
+        prefix_paged_attention(q2[:, :3].contiguous(), kc2, vc2, meta2, [], scale)
+    with pytest.raises(AssertionError, match="k_sys"):
+        system_attention(q, prefixes[0][0][:, :, :8], prefixes[0][1], scale)
+    with pytest.raises(AssertionError, match="slot_mapping"):
+        write_kv(kc, vc, q[:, :kc.shape[2]], q[:, :kc.shape[2]], meta.slot_mapping.int())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_relay_and_baseline_large(dtype, decode):
+    shape = shapes(random.Random(), decode, big=True)
+    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
+    want = textbook(shape, q, kc, vc, prefixes, meta, scale)
+    qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
+    for got, want_ref in ((relay_attention(q, kc, vc, meta, prefixes, scale), ref.relay_attention(qf, kf, vf, meta, pf, scale)),
+                          (prefix_paged_attention(q, kc, vc, meta, prefixes, scale),
+                           ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale))):
+        assert rel_err(got, want_ref) < TOL[dtype]
+        assert rel_err(got, want) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_system_attention_large(dtype):
+    q = torch.randn(256, 32, 128, device="cuda").to(dtype)
+    k, v = (torch.randn(4099, 8, 128, device="cuda").to(dtype) for _ in range(2))
+    o, lse = system_attention(q, k, v, 128 ** -0.5)
+    want_o, want_lse = ref.system_attention(q.float(), k.float(), v.float(), 128 ** -0.5)
+    assert rel_err(o, want_o) < TOL[dtype]
+    assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
