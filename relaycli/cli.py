@@ -1,0 +1,126 @@
+"""The `relay` command: a thin face over the library (compile, inspect, run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from relaycli import __version__
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Batch LLM inference for jobs that share one long system prompt.")
+err_console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"relay {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    """relay: compile a system prompt once, then stream request files through it."""
+
+
+@contextmanager
+def _user_errors():
+    """Known refusals become one red line and exit status 2, not a traceback."""
+    from models.config import ModelConfigError
+    from models.tokenizer import TokenizerError
+    from models.weights import WeightError
+    from relaycli.artifact import ArtifactError
+    from relaycli.compile import CompileError
+    from relaycli.io.reader import InputError
+    from relaycli.io.writer import OutputError
+    try:
+        yield
+    except (ModelConfigError, TokenizerError, WeightError, ArtifactError, CompileError, InputError,
+            OutputError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
+@app.command("compile-prompt")
+def compile_prompt_cmd(
+    sys_txt: Path = typer.Argument(..., help="The system prompt, a UTF-8 text file."),
+    model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file; default: the embedded SmolLM2-135M-Instruct."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Artifact path; default: SYS_TXT with suffix .relaykv."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N; default: cuda when available."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress, only errors."),
+) -> None:
+    """Compile a system prompt into a .relaykv KV artifact."""
+    from relaycli.ui import compile_with_progress
+    with _user_errors():
+        compile_with_progress(sys_txt, model, out, dtype, device, quiet)
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: Path = typer.Argument(..., help="A .relaykv artifact."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Show what an artifact holds and whether its checksum is intact."""
+    from relaycli.ui import inspect_artifact
+    with _user_errors():
+        info = inspect_artifact(path, as_json)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+    if not info["checksum_ok"]:
+        raise typer.Exit(1)
+
+
+@app.command("run")
+def run_cmd(
+    input_path: Path = typer.Option(..., "--in", help="Requests: .jsonl or .parquet (OpenAI Batch lines too)."),
+    output_path: Path = typer.Option(..., "--out", help="Answers: .parquet or .jsonl."),
+    prompt: List[Path] = typer.Option([], "--prompt", help="A compiled .relaykv artifact; repeat for several."),
+    model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file, dummy:PRESET; default: embedded SmolLM2-135M-Instruct."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N."),
+    input_format: Optional[str] = typer.Option(None, "--format", help="Input format if the extension does not say: jsonl | parquet."),
+    max_batch: int = typer.Option(64, "--max-batch", help="Sequences in flight."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for rows without one."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Default temperature for rows without one (0 = greedy)."),
+    seed: int = typer.Option(0, "--seed", help="Base of the per-row seeds of rows without one."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size; default: a share of free memory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job: answer only missing rows."),
+    no_relay: bool = typer.Option(False, "--no-relay", help="Baseline: per-request attention over the shared prefix."),
+    attention_impl: str = typer.Option("auto", "--attention-impl", help="auto | torch | triton."),
+    allow_cast: bool = typer.Option(False, "--allow-cast", help="Accept an artifact of another dtype and convert it."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate max_tokens for every row (benchmarks)."),
+    stats_json: Optional[Path] = typer.Option(None, "--stats-json", help="Write the job's statistics as JSON here."),
+    fail_on_error: bool = typer.Option(False, "--fail-on-error", help="Exit 1 when any row became an error row."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress or summary, only errors."),
+) -> None:
+    """Answer every request of a file, reusing compiled system prompts."""
+    from relaycli.config import EngineConfig
+    from relaycli.io.requests import RequestDefaults
+    from relaycli.job import JobOptions
+    from relaycli.ui import run_with_progress
+    with _user_errors():
+        opts = JobOptions(
+            input_path=input_path, output_path=output_path, prompt_paths=list(prompt), model=model,
+            dtype=dtype, device=device, input_format=input_format, resume=resume, allow_cast=allow_cast,
+            defaults=RequestDefaults(max_tokens=max_tokens, temperature=temperature, seed_base=seed,
+                                     ignore_eos=ignore_eos),
+            engine=EngineConfig(max_num_seqs=max_batch, kv_cache_gb=kv_cache_gb, relay=not no_relay,
+                                attention_impl=attention_impl),
+            stats_json=stats_json)
+        summary = run_with_progress(opts, quiet)
+    if fail_on_error and summary.stats.errors:
+        err_console.print(f"[red]error:[/red] {summary.stats.errors} rows failed (--fail-on-error)")
+        raise typer.Exit(1)
+
+
+def entry() -> None:  # pragma: no cover - console-script shim
+    app(prog_name="relay")
+    sys.exit(0)

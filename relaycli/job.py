@@ -1,0 +1,117 @@
+"""One `relay run` job: input rows -> engine -> output file, resumable.
+
+Everything that can refuse the job (input, output, model, artifacts) is checked
+before any row is computed. Progress goes to an optional callback; nothing prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from models.registry import LoadedModel, load_model
+from relaycli.compile import load_checked
+from relaycli.config import EngineConfig
+from relaycli.engine.engine import Engine, EngineStats
+from relaycli.io.reader import open_requests, read_requests
+from relaycli.io.requests import RequestDefaults
+from relaycli.io.writer import ResultWriter
+
+
+@dataclass
+class JobOptions:
+    input_path: Path
+    output_path: Path
+    prompt_paths: list[Path] = field(default_factory=list)
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    input_format: str | None = None
+    output_format: str | None = None
+    resume: bool = False
+    allow_cast: bool = False
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    stats_json: Path | None = None
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.prompt_paths]
+        if len(set(names)) != len(names):
+            raise ValueError("two --prompt artifacts have the same file name; rows pick artifacts by name")
+
+
+@dataclass
+class JobSummary:
+    input_rows: int
+    skipped_rows: int  # answered by an earlier run (--resume)
+    stats: EngineStats
+    model: str
+    attention: str
+    device: str
+    dtype: str
+    artifacts: list[dict]
+    load_seconds: float
+    already_complete: bool = False
+    output_path: str = ""
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["stats"] = self.stats.as_dict()
+        return d
+
+
+def _is_openai_input(source) -> bool:
+    for _, raw, _ in source:
+        return isinstance(raw, dict) and "custom_id" in raw and "body" in raw
+    return False
+
+
+def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None,
+            on_result: Callable[[EngineStats], None] | None = None,
+            loaded: LoadedModel | None = None) -> JobSummary:
+    """on_start(total_rows, already_done); on_result(stats) after each answered row."""
+    source = open_requests(opts.input_path, opts.input_format)
+    writer = ResultWriter(opts.output_path, opts.output_format, resume=opts.resume,
+                          openai_output=_is_openai_input(source))
+    try:
+        done = writer.done_row_indices()
+        if loaded is None:
+            loaded = load_model(opts.model, opts.dtype, opts.device)
+        artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]
+        engine = Engine(loaded, artifacts, opts.engine)
+        summary = JobSummary(
+            input_rows=source.num_rows, skipped_rows=len(done), stats=engine.stats, model=loaded.reference,
+            attention=("relay" if opts.engine.relay else "no-relay") + f" ({engine.runner.attention_impl})",
+            device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
+            artifacts=[{"name": a.name, "tokens": a.num_tokens, "cast_from": a.meta["dtype"]
+                        if a.meta["dtype"] != str(loaded.model.dtype).replace("torch.", "") else None}
+                       for a in artifacts],
+            load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
+        if writer.already_complete:
+            summary.already_complete = True
+            return summary
+        if on_start is not None:
+            on_start(source.num_rows, len(done))
+        engine.stats.started = time.perf_counter()
+        rows = read_requests(source, opts.defaults, skip=done)
+        for result in engine.generate(rows):
+            writer.write(result)
+            if on_result is not None:
+                on_result(engine.stats)
+        writer.finalize(source.num_rows)
+    finally:
+        writer.close()
+    if opts.stats_json is not None:
+        write_json_atomic(opts.stats_json, summary.as_dict())
+    return summary
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)

@@ -1,0 +1,128 @@
+"""Terminal output of the CLI: rich progress bars, summary tables, inspect tables."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from relaycli.job import JobOptions, JobSummary, run_job
+
+console = Console(stderr=True)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dtype: str | None,
+                          device: str | None, quiet: bool) -> None:
+    from models.registry import load_model
+    from relaycli.compile import compile_prompt, read_system_text
+    from relaycli.io.writer import OutputError
+
+    text = read_system_text(sys_txt)
+    out = out or Path(sys_txt).with_suffix(".relaykv")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"the output folder {folder} does not exist; create it first")
+    probe = folder / f".relay-probe-{out.name}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"cannot write {out} ({exc.strerror}); choose another --out") from None
+    loaded = load_model(model, dtype, device)
+    with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
+        task = bar.add_task("compile", total=None)
+        result = compile_prompt(loaded, text, out, progress=lambda done, total: bar.update(task, completed=done,
+                                                                                           total=total))
+    if not quiet:
+        console.print(f"[green]wrote[/green] {result.path}: {result.num_tokens} tokens, "
+                      f"{_human_bytes(result.num_bytes)}, {result.seconds:.2f} s "
+                      f"(model {loaded.reference}, {str(loaded.model.dtype).replace('torch.', '')})",
+                      highlight=False)
+
+
+def inspect_artifact(path: Path, as_json: bool) -> dict:
+    from relaycli.artifact import ArtifactError, read_artifact
+    checksum_ok = True
+    try:
+        art = read_artifact(path)
+    except ArtifactError as exc:
+        if "checksum" not in str(exc):
+            raise
+        checksum_ok = False
+        art = read_artifact(path, verify_checksum=False)
+    meta = art.meta
+    info = {
+        "path": str(path), "format_version": meta["format_version"], "relay_version": meta["relay_version"],
+        "model": meta["model_reference"], "model_fingerprint": meta["model_fingerprint"],
+        "tokens": art.num_tokens, "dtype": meta["dtype"], "layers": meta["num_layers"],
+        "kv_heads": meta["num_kv_heads"], "head_dim": meta["head_dim"], "rope": meta["rope"],
+        "size_bytes": Path(path).stat().st_size, "checksum": meta["checksum"], "checksum_ok": checksum_ok,
+        "segments": meta["segments"],
+        "text_sha256": hashlib.sha256(meta["system_text"].encode()).hexdigest(),
+        "text_start": meta["system_text"][:200],
+    }
+    if not as_json:
+        table = Table(title=str(path), show_header=False)
+        for key in ("model", "tokens", "dtype", "layers", "kv_heads", "head_dim", "format_version",
+                    "relay_version"):
+            table.add_row(key, str(info[key]))
+        table.add_row("size", _human_bytes(info["size_bytes"]))
+        table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ") + meta["checksum"][:23])
+        table.add_row("text", info["text_start"][:120].replace("\n", " ") + ("…" if len(meta["system_text"]) > 120 else ""))
+        Console().print(table)
+    return info
+
+
+def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
+    columns = (TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+        task = bar.add_task("rows", total=None, tps="")
+
+        def on_start(total: int, done: int) -> None:
+            bar.update(task, total=total, completed=done)
+
+        def on_result(stats) -> None:
+            d = stats.as_dict()
+            bar.update(task, advance=1, tps=f"{d['generated_tokens_per_second']:.1f} tok/s")
+
+        summary = run_job(opts, on_start, on_result)
+    if not quiet:
+        print_summary(summary)
+    return summary
+
+
+def print_summary(s: JobSummary) -> None:
+    if s.already_complete:
+        console.print(f"{s.output_path} is already complete ({s.input_rows} rows); nothing to do")
+        return
+    d = s.stats.as_dict()
+    for art in s.artifacts:
+        if art["cast_from"]:
+            console.print(f"[yellow]note:[/yellow] {art['name']} was cast from {art['cast_from']} to {s.dtype} "
+                          "(--allow-cast); outputs may differ from a matching artifact")
+    table = Table(title=f"relay run: {s.output_path}", show_header=False)
+    rows = [
+        ("rows", f"{s.input_rows} ({s.skipped_rows} from an earlier run)" if s.skipped_rows else str(s.input_rows)),
+        ("errors", str(d["errors"])),
+        ("prefix hits / misses", f"{d['prefix_hits']} / {d['prefix_misses']}"),
+        ("prompt / cached / generated tokens", f"{d['prompt_tokens']} / {d['cached_tokens']} / {d['completion_tokens']}"),
+        ("throughput", f"{d['generated_tokens_per_second']:.1f} generated tok/s, {d['rows_per_second']:.2f} rows/s"),
+        ("time", f"{d['elapsed_seconds']:.1f} s (model load {s.load_seconds:.1f} s)"),
+        ("model", f"{s.model} · {s.dtype} · {s.device} · {s.attention}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
