@@ -1,0 +1,22 @@
+"""Shared fixtures: one relay cache folder per test session, the default model once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def relay_cache_dir(tmp_path_factory):
+    """Tests never touch the user's cache; subprocesses (CLI tests) inherit this too."""
+    if "RELAY_CACHE_DIR" not in os.environ:
+        os.environ["RELAY_CACHE_DIR"] = str(tmp_path_factory.mktemp("relay-cache"))
+    return os.environ["RELAY_CACHE_DIR"]
+
+
+@pytest.fixture(scope="session")
+def default_model(relay_cache_dir):
+    """The embedded default model (SmolLM2-135M-Instruct) in fp32 on CPU."""
+    from models.registry import load_model
+    return load_model(None, dtype="float32", device="cpu")
