@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_system_attention import (LOG2E, _dense_loop, _finish, _merge_pair, _online_block,
+from kernels.triton_system_attention import (LOG2E, _dense_loop, _finish, _merge_pair, _online_block, fit_smem,
                                              split_plan)
 
 
@@ -151,12 +151,12 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         assert t.stride(-1) == 1, f"{name} needs a unit last stride"
 
 
-def paged_config(rows_per_seq: int, head_dim: int, device: torch.device) -> dict:
+def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2) -> dict:
     """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM."""
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
     big = block_m >= 128
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if big else 4, num_stages=3 if big else 2,
-                per_sm=1 if big else 4)
+    return fit_smem(dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if big else 4, num_stages=3 if big else 2,
+                         per_sm=1 if big else 4), head_dim, elem)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -194,7 +194,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         assert seq_group.shape == (meta.num_seqs,) and seq_group.dtype == torch.int32
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
-    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device))
+    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size()))
     cfg.pop("per_sm", None)
     grid = (triton.cdiv(meta.max_seqlen_q * group, cfg["BLOCK_M"]), meta.num_seqs, hkv * num_splits)
     kp, vp = prefix if prefix is not None else (k_cache, v_cache)
@@ -237,10 +237,12 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out[0], lse[0]
 
 
-def context_splits(meta: AttentionMetadata, num_kv_heads: int, group: int, device: torch.device,
-                   extra_keys: int = 0, num_splits: int | None = None) -> tuple[int, int]:
+def context_splits(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, extra_keys: int = 0,
+                   num_splits: int | None = None, config: dict | None = None) -> tuple[int, int]:
     """Split-K plan over (extra_keys + own keys) for sequences too few to fill the chip."""
-    cfg = paged_config(meta.max_seqlen_q * group, 0, device)
+    group = q.shape[1] // num_kv_heads
+    device = q.device
+    cfg = config or paged_config(meta.max_seqlen_q * group, q.shape[2], device, q.element_size())
     programs = meta.num_seqs * num_kv_heads * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
     return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
                       min_keys=512, per_sm=cfg.get("per_sm", 1))

@@ -30,43 +30,78 @@ def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float, *,
                          sys_splits: int | None = None, ctx_splits: int | None = None,
-                         sys_config: dict | None = None, ctx_config: dict | None = None) -> torch.Tensor:
-    """relay_attention with the split factors and tile configs exposed (tests, tuning)."""
+                         sys_config: dict | None = None, ctx_config: dict | None = None,
+                         overlap: bool = False) -> torch.Tensor:
+    """relay_attention with the split factors and tile configs exposed (tests, tuning).
+
+    overlap: run the (memory-bound) context kernel on a side stream next to the
+    (matrix-bound) system kernel; it then writes a partial and the merge kernel finishes,
+    instead of the fused epilogue.
+    """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     groups = group_prefixes(meta, prefixes)
-    c_splits, c_per = context_splits(meta, hkv, group, q.device, 0, ctx_splits)
+    c_splits, c_per = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config)
     s_splits = 0
     if groups:
         rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group
-        s_cfg = dict(sys_config or system_config(rows, d, q.device))
+        s_cfg = dict(sys_config or system_config(rows, d, q.device, q.element_size()))
         programs = triton.cdiv(rows, s_cfg["BLOCK_M"]) * hkv
         longest = max(k.shape[0] for _, k, _ in groups)
         s_splits, _ = split_plan(longest, programs, q.device, s_cfg["BLOCK_N"], sys_splits,
                                  per_sm=s_cfg.get("per_sm", 1))
+    overlap = overlap and bool(groups)
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config)
         return out[0]
-    extra = c_splits if c_splits > 1 else 0
+    extra = c_splits if c_splits > 1 or overlap else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
     if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
         lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
-    for g, k_sys, v_sys in groups:
-        assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
-        system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
-                              rows=g.query_indices, num_splits=s_splits, config=sys_config)
-    if c_splits == 1:
+
+    def system_step():
+        for g, k_sys, v_sys in groups:
+            assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
+            system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
+                                  rows=g.query_indices, num_splits=s_splits, config=sys_config)
+
+    def context_step():
+        paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
+                        keys_per_split=c_per, num_splits=c_splits, config=ctx_config)
+
+    if not extra:  # the fused path: the context epilogue merges the system partials, o written once
+        system_step()
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config,
                         sys_part=(o_part[:s_splits], lse_part[:s_splits]))
         return out[0]
-    paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
-                    keys_per_split=c_per, num_splits=c_splits, config=ctx_config)
+    if overlap and q.is_cuda:
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            context_step()
+        system_step()
+        main.wait_stream(side)  # before the merge, and before any buffer here can be freed
+    else:
+        system_step()
+        context_step()
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One reusable side stream per device (creating streams per call leaks them in graphs)."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
 
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -56,10 +56,9 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv = k_cache.shape[2]
-    group_size = q.shape[1] // hkv
     groups = group_prefixes(meta, prefixes)
     longest = max((k.shape[0] for _, k, _ in groups), default=0)
-    splits, per = context_splits(meta, hkv, group_size, q.device, longest, num_splits)
+    splits, per = context_splits(meta, q, hkv, longest, num_splits, config)
     if splits == 1:
         out, lse = torch.empty((1,) + tuple(q.shape), dtype=q.dtype, device=q.device), None
     else:

@@ -182,12 +182,26 @@ def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
     return num_splits, per
 
 
-def system_config(rows: int, head_dim: int, device: torch.device) -> dict:
+def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> dict:
+    """Shrink BLOCK_N, then the pipeline depth, until Q + stages * (K + V) tiles fit shared memory."""
+    cfg = dict(cfg)
+
+    def need() -> int:
+        return (cfg["BLOCK_M"] + cfg["num_stages"] * 2 * cfg["BLOCK_N"]) * head_dim * elem
+
+    while need() > budget and cfg["BLOCK_N"] > 16:
+        cfg["BLOCK_N"] //= 2
+    while need() > budget and cfg["num_stages"] > 1:
+        cfg["num_stages"] -= 1
+    return cfg
+
+
+def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2) -> dict:
     """Tile shape for a [rows, D] x [S, D]^T problem: 128-row tiles once there are enough rows."""
     block_m = 128 if rows >= 256 else (64 if rows > 32 or device.type == "cuda" else 32 if rows > 16 else 16)
-    # one 128-row program per SM (Q tile + 3 K/V stages ~128 KB of shared memory), two of 64 rows
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4, num_stages=3,
-                per_sm=1 if block_m == 128 else 2)
+    # bf16, D=128: one 128-row program per SM (Q tile + 3 K/V stages = 128 KB of shared memory), two of 64 rows
+    return fit_smem(dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m == 128 else 4, num_stages=3,
+                         per_sm=1 if block_m == 128 else 2), head_dim, elem)
 
 
 def check_prefix(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> None:
@@ -223,7 +237,7 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         assert rows.dim() == 1 and rows.dtype == torch.int64, "rows must be [n] int64"
     if n_q == 0:
         return
-    cfg = dict(config or system_config(n_q * group, q.shape[2], q.device))
+    cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size()))
     cfg.pop("per_sm", None)
     seq_len = k_sys.shape[0]
     per = math.ceil(math.ceil(max(seq_len, 1) / splits) / cfg["BLOCK_N"]) * cfg["BLOCK_N"]
@@ -244,7 +258,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
     lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
     if n == 0:
         return o, lse
-    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // d))
+    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // d))
     _merge_kernel[(n, triton.cdiv(heads, block_h))](
         o_part, lse_part, o, lse if with_lse else o, splits, heads,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
@@ -262,7 +276,7 @@ def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, 
     """
     check_prefix(q, k_sys, v_sys)
     n, hq, d = q.shape
-    cfg = dict(config or system_config(n * hq // k_sys.shape[1], d, q.device))
+    cfg = dict(config or system_config(n * hq // k_sys.shape[1], d, q.device, q.element_size()))
     programs = triton.cdiv(n * hq // k_sys.shape[1], cfg["BLOCK_M"]) * k_sys.shape[1]
     splits, _ = split_plan(k_sys.shape[0], programs, q.device, cfg["BLOCK_N"], num_splits, per_sm=cfg.get("per_sm", 1))
     if splits == 1:  # write the final result straight away, no partial round trip

@@ -117,12 +117,14 @@ def test_context_attention_and_fused_merge(dtype, decode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("decode", [True, False])
-@pytest.mark.parametrize("forced", [False, True])
-def test_relay_attention(dtype, decode, forced):
+@pytest.mark.parametrize("mode", ["default", "split", "overlap"])
+def test_relay_attention(dtype, decode, mode):
     shape = shapes(random.Random(), decode)
     q, kc, vc, prefixes, meta, scale = make(shape, dtype)
-    if forced:  # system split 3 ways, context split 2 ways: partials meet in the merge kernel
+    if mode == "split":  # system split 3 ways, context split 2 ways: partials meet in the merge kernel
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=3, ctx_splits=2, ctx_config=SMALL_CTX)
+    elif mode == "overlap":  # context as one more partial (side stream on CUDA), then the merge kernel
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True)
     else:
         got = relay_attention(q, kc, vc, meta, prefixes, scale)
     assert got.shape == q.shape and got.dtype == dtype
@@ -190,7 +192,9 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
     q, kc, vc, prefixes, meta, scale = make(shape, dtype)
     want = textbook(shape, q, kc, vc, prefixes, meta, scale)
     qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
-    for got, want_ref in ((relay_attention(q, kc, vc, meta, prefixes, scale), ref.relay_attention(qf, kf, vf, meta, pf, scale)),
+    want_relay = ref.relay_attention(qf, kf, vf, meta, pf, scale)
+    for got, want_ref in ((relay_attention(q, kc, vc, meta, prefixes, scale), want_relay),
+                          (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True), want_relay),
                           (prefix_paged_attention(q, kc, vc, meta, prefixes, scale),
                            ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale))):
         assert rel_err(got, want_ref) < TOL[dtype]

@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Ceilings, correctness and timings of the Triton attention kernels on one CUDA GPU.
+
+Measures in one run: copy bandwidth (read + write bytes) and bf16 matmul rate, then for
+llama2-7b heads (Hq=Hkv=32, D=128) and llama3-8b heads (Hq=32, Hkv=8, D=128), batch 64
+and 256, prefix 8192, 128 own keys per request (decode, bf16, 16-token pages):
+(a) the system-attention kernel alone, (b) whole relay attention, (c) the no-relay paged
+baseline, (d) per-request cuDNN SDPA on contiguous KV, and (e) the baseline at batch 64
+with 8192 own keys each against copy bandwidth. Every kernel is first checked against
+kernels/reference.py in fp32. Writes kernels.json and kernels.md to $OUT (else ./out)
+and prints the table last. --sweep also times alternative tile configs.
+
+Usage: python scripts/device_kernels.py [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels import reference as ref  # noqa: E402
+from kernels.metadata import AttentionMetadata, PrefixGroup  # noqa: E402
+from kernels.triton_context_attention import paged_attention  # noqa: E402
+from kernels.triton_ops import relay_attention_with  # noqa: E402
+from kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
+from kernels.triton_system_attention import (merge_partials, split_plan, system_attention_into,  # noqa: E402
+                                             system_config)
+
+HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+SYS_SWEEP = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1),
+             dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, per_sm=1),
+             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, per_sm=1),
+             dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=1),
+             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2),
+             dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, per_sm=2)]
+PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4)
+               for n, w, s in [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 3), (128, 8, 2)]]
+rows: list[dict] = []
+checks: list[dict] = []
+
+
+def bench_us(fn) -> float:
+    """Median over ~100 ms of runs, L2 flushed before each (triton do_bench), in microseconds."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def ceilings(dev) -> dict:
+    src = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 2 / (bench_us(lambda: dst.copy_(src)) * 1e-6)
+    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    mm = 2 * 8192 ** 3 / (bench_us(lambda: a @ b) * 1e-6)
+    del src, dst, a, b
+    return dict(copy_bytes_per_s=copy_bw, bf16_flops_per_s=mm)
+
+
+def build(hq, hkv, d, batch, prefix, own, dev, page=16, dtype=torch.bfloat16):
+    """Decode step: q [B, Hq, D], shuffled paged own keys, one prefix shared by every request."""
+    per_seq = math.ceil(own / page)
+    tables = torch.randperm(batch * per_seq, device=dev).view(batch, per_seq).to(torch.int32)
+    kc, vc = (torch.randn(batch * per_seq, page, hkv, d, device=dev, dtype=dtype) for _ in range(2))
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
+    last = own - 1
+    slots = tables[:, last // page].to(torch.int64) * page + last % page
+    pre = [tuple(torch.randn(prefix, hkv, d, device=dev, dtype=dtype) for _ in range(2))] if prefix else []
+    ids = torch.arange(batch, device=dev)
+    groups = [PrefixGroup(0, prefix, ids, ids)] if prefix else []
+    meta = AttentionMetadata(True, torch.arange(batch + 1, device=dev, dtype=torch.int32), 1,
+                             torch.full((batch,), own, device=dev, dtype=torch.int32), own, tables, slots, page,
+                             groups)
+    return q, kc, vc, pre, meta
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    ok = bool(torch.isfinite(got).all()) and err < 1e-2
+    checks.append(dict(name=name, rel_err=err, ok=ok))
+    print(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+
+
+def add(case, kernel, t_us, nbytes, flops, ceil, cudnn_us=None, config=None):
+    floor = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e6
+    bound = "bytes" if nbytes / ceil["copy_bytes_per_s"] >= flops / ceil["bf16_flops_per_s"] else "flops"
+    rows.append(dict(case=case, kernel=kernel, time_us=t_us, bytes=nbytes, flops=flops, floor_us=floor,
+                     bound=bound, pct_floor=100 * floor / t_us, vs_cudnn=(cudnn_us / t_us) if cudnn_us else None,
+                     config=config))
+    print(f"{case:28s} {kernel:34s} {t_us:9.1f} us  floor {floor:7.1f} ({bound})  {100 * floor / t_us:5.1f}%",
+          flush=True)
+
+
+def cudnn_time(q, k_full, v_full, scale):
+    """Per-request SDPA through cuDNN on [B, H, S+C, D] KV; GQA through enable_gqa, else expanded."""
+    qq = q[:, :, None, :]
+    g = q.shape[1] // k_full.shape[1]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        try:
+            fn = lambda: F.scaled_dot_product_attention(qq, k_full, v_full, scale=scale, enable_gqa=g > 1)  # noqa
+            out = fn()
+            how = "enable_gqa" if g > 1 else "mha"
+        except RuntimeError:
+            k_x, v_x = k_full.repeat_interleave(g, 1), v_full.repeat_interleave(g, 1)
+            fn = lambda: F.scaled_dot_product_attention(qq, k_x, v_x, scale=scale)  # noqa
+            out = fn()
+            how = "expanded KV"
+        return bench_us(fn), out[:, :, 0], how
+
+
+def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128):
+    q, kc, vc, pre, meta = build(hq, hkv, d, batch, S, C, dev)
+    scale = d ** -0.5
+    case = f"{name} B={batch} S={S}+{C}"
+    k_sys, v_sys = pre[0]
+    kv_sys = 2 * S * hkv * d * 2
+    kv_own = 2 * batch * C * hkv * d * 2
+    qo = 2 * batch * hq * d * 2
+    flops_sys, flops_all = 4 * batch * hq * S * d, 4 * batch * hq * (S + C) * d
+    want_o = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k_sys.float(), v_sys.float())], scale)
+    want_so, want_sl = ref.system_attention(q.float(), k_sys.float(), v_sys.float(), scale)
+    rows_idx = meta.prefix_groups[0].query_indices
+
+    def sys_runner(cfg):
+        cfg = cfg or system_config(batch * hq // hkv, d, q.device, q.element_size())
+        prog = triton.cdiv(batch * hq // hkv, cfg["BLOCK_M"]) * hkv
+        splits, _ = split_plan(S, prog, q.device, cfg["BLOCK_N"], per_sm=cfg.get("per_sm", 1))
+        o_p = torch.empty(splits, batch, hq, d, device=dev)
+        l_p = torch.empty(splits, batch, hq, device=dev)
+        return (lambda: system_attention_into(q, k_sys, v_sys, scale, o_p, l_p, rows_idx, splits, cfg)), o_p, l_p
+
+    fn, o_p, l_p = sys_runner(None)
+    fn()
+    so, sl = merge_partials(o_p, l_p, q.dtype)
+    check(f"{case} system o", so, want_so)
+    check(f"{case} system lse", sl, want_sl)
+    for label, kw in (("relay fused", {}), ("relay overlap", dict(overlap=True))):
+        check(f"{case} {label}", relay_attention_with(q, kc, vc, meta, pre, scale, **kw), want_o)
+    check(f"{case} baseline", baseline(q, kc, vc, meta, pre, scale), want_o)
+    k_full = torch.cat([k_sys.transpose(0, 1)[None].expand(batch, -1, -1, -1),
+                        ref.gather_context(kc, meta).transpose(1, 2)], 2).contiguous()
+    v_full = torch.cat([v_sys.transpose(0, 1)[None].expand(batch, -1, -1, -1),
+                        ref.gather_context(vc, meta).transpose(1, 2)], 2).contiguous()
+    t_cudnn, out_cudnn, how = cudnn_time(q, k_full, v_full, scale)
+    check(f"{case} cuDNN ({how})", out_cudnn, want_o)
+    del k_full, v_full
+    torch.cuda.empty_cache()
+    tot = kv_sys + kv_own + qo
+    add(case, f"(d) cuDNN per-request ({how})", t_cudnn, tot, flops_all, ceil, t_cudnn)
+    add(case, "(a) system kernel", bench_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
+    for label, kw in (("fused", {}), ("overlap", dict(overlap=True))):
+        t = bench_us(lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw))
+        add(case, f"(b) relay {label}", t, tot, flops_all, ceil, t_cudnn, "default")
+    add(case, "(c) baseline paged", bench_us(lambda: baseline(q, kc, vc, meta, pre, scale)), tot, flops_all, ceil,
+        t_cudnn, "default")
+    if sweep:
+        for cfg in SYS_SWEEP:
+            add(case, "(a) system kernel [sweep]", bench_us(sys_runner(cfg)[0]), kv_sys + qo, flops_sys, ceil,
+                None, cfg)
+        for cfg in PAGED_SWEEP:
+            out = torch.empty(1, batch, hq, d, device=dev, dtype=q.dtype)
+            t = bench_us(lambda: paged_attention(q, kc, vc, meta, scale, out=out, sys_part=(o_p, l_p), config=cfg))
+            add(case, "context+fusion kernel [sweep]", t, kv_own + qo, 4 * batch * hq * C * d, ceil, None, cfg)
+            t = bench_us(lambda: baseline(q, kc, vc, meta, pre, scale, config=cfg))
+            add(case, "(c) baseline paged [sweep]", t, tot, flops_all, ceil, t_cudnn, cfg)
+
+
+def bandwidth_case(name, hq, hkv, d, ceil, dev, sweep, batch=64, own=8192):
+    q, kc, vc, _, meta = build(hq, hkv, d, batch, 0, own, dev)
+    scale = d ** -0.5
+    case = f"{name} B={batch} own={own}"
+    want = ref.context_attention(q.float(), kc.float(), vc.float(), meta, scale)[0]
+    check(f"{case} baseline", baseline(q, kc, vc, meta, [], scale), want)
+    nbytes = 2 * batch * own * hkv * d * 2 + 2 * batch * hq * d * 2
+    flops = 4 * batch * hq * own * d
+    add(case, "(e) baseline paged", bench_us(lambda: baseline(q, kc, vc, meta, [], scale)), nbytes, flops, ceil,
+        None, "default")
+    for cfg in PAGED_SWEEP if sweep else []:
+        add(case, "(e) baseline paged [sweep]", bench_us(lambda: baseline(q, kc, vc, meta, [], scale, config=cfg)),
+            nbytes, flops, ceil, None, cfg)
+
+
+def table(ceil, info) -> str:
+    lines = [f"Device: {info['device']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}; "
+             f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+             f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s (8192^3, random).", "",
+             "| case | kernel | time (us) | floor (us) | bound | % of floor | vs cuDNN |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        if "[sweep]" in r["kernel"]:
+            continue
+        vs = f"{r['vs_cudnn']:.1f}x" if r["vs_cudnn"] else ""
+        lines.append(f"| {r['case']} | {r['kernel']} | {r['time_us']:.1f} | {r['floor_us']:.1f} | {r['bound']} | "
+                     f"{r['pct_floor']:.0f}% | {vs} |")
+    bad = [c["name"] for c in checks if not c["ok"]]
+    lines += ["", f"Correctness: {len(checks) - len(bad)}/{len(checks)} checks within 1e-2 relative error"
+              + (f"; FAILED: {', '.join(bad)}" if bad else ".")]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    dev = torch.device("cuda")
+    out_dir = Path(os.environ.get("OUT") or "out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(dev)
+    info = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                triton=triton.__version__)
+    ceil = ceilings(dev)
+    print(f"ceilings: {ceil}", flush=True)
+    errors = []
+    for name, (hq, hkv, d) in HEADS.items():
+        for batch in (64, 256):
+            try:
+                relay_case(name, hq, hkv, d, batch, ceil, dev, args.sweep)
+            except Exception:  # keep the other cases' numbers
+                errors.append(traceback.format_exc())
+                print(errors[-1], flush=True)
+            torch.cuda.empty_cache()
+        try:
+            bandwidth_case(name, hq, hkv, d, ceil, dev, args.sweep)
+        except Exception:
+            errors.append(traceback.format_exc())
+            print(errors[-1], flush=True)
+        torch.cuda.empty_cache()
+    md = table(ceil, info)
+    (out_dir / "kernels.json").write_text(json.dumps(dict(info=info, ceilings=ceil, rows=rows, checks=checks,
+                                                          errors=errors), indent=1, default=str))
+    (out_dir / "kernels.md").write_text(md + "\n")
+    sweeps = [r for r in rows if "[sweep]" in r["kernel"]]
+    for r in sweeps:
+        print(f"sweep {r['case']:26s} {r['kernel']:32s} {r['time_us']:8.1f} us {r['pct_floor']:5.1f}% {r['config']}")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
