@@ -173,19 +173,13 @@ class _RowError(ValueError):
     """A complete one-line message (what is wrong and how to fix it)."""
 
 
-def _opt_int(src: dict, key: str) -> int | None:
+def _opt(src: dict, key: str, integer: bool) -> Any:
+    """The field's value if it has the right type, None if absent; a clear error otherwise."""
     v = src.get(key)
-    if isinstance(v, float) and v.is_integer():
+    if integer and isinstance(v, float) and v.is_integer():
         v = int(v)  # pandas turns an int column with nulls into float64: 64.0 means 64
-    if v is not None and not _is_int(v):
-        raise _RowError(f"'{key}' must be an integer, got {_show(v)}")
-    return v
-
-
-def _opt_number(src: dict, key: str) -> float | None:
-    v = src.get(key)
-    if v is not None and not _is_number(v):
-        raise _RowError(f"'{key}' must be a finite number, got {_show(v)}")
+    if v is not None and not (_is_int(v) if integer else _is_number(v)):
+        raise _RowError(f"'{key}' must be {'an integer' if integer else 'a finite number'}, got {_show(v)}")
     return v
 
 
@@ -300,17 +294,16 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
         raise _RowError(f"'system_prompt' must be the name of a loaded prompt artifact, got {_show(system_prompt)}")
     if system_prompt is not None and messages[0]["role"] == "system":
         raise _RowError("has both 'system_prompt' and a system message; keep one of them")
-    max_tokens = _opt_int(src, "max_tokens")
-    alias = _opt_int(src, "max_completion_tokens")
+    max_tokens = _opt(src, "max_tokens", True)
+    alias = _opt(src, "max_completion_tokens", True)
     if max_tokens is not None and alias is not None and alias != max_tokens:
         raise _RowError("'max_tokens' and 'max_completion_tokens' disagree; keep one of them")
     max_tokens = max_tokens if max_tokens is not None else alias
     ignore_eos = src.get("ignore_eos", d.ignore_eos)
     if not isinstance(ignore_eos, bool):
         raise _RowError(f"'ignore_eos' must be true or false, got {_show(ignore_eos)}")
-    values = {"max_tokens": max_tokens, "temperature": _opt_number(src, "temperature"),
-              "top_p": _opt_number(src, "top_p"), "top_k": _opt_int(src, "top_k"),
-              "seed": _opt_int(src, "seed")}
+    values = {"max_tokens": max_tokens, "temperature": _opt(src, "temperature", False),
+              "top_p": _opt(src, "top_p", False), "top_k": _opt(src, "top_k", True), "seed": _opt(src, "seed", True)}
     fallback = {"max_tokens": d.max_tokens, "temperature": d.temperature, "top_p": d.top_p,
                 "top_k": d.top_k, "seed": derive_seed(d.seed_base, row_index)}
     chosen = {k: v if v is not None else fallback[k] for k, v in values.items()}
