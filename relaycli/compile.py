@@ -15,8 +15,11 @@ from models.registry import LoadedModel
 from relaycli.artifact import Artifact, ArtifactError, dtype_name, read_artifact, save_artifact
 
 # Different user turns: their renderings share exactly the system part and the
-# template's lead-in to a user turn, whatever the first user token is.
-_PROBE_MESSAGES = ("Hi", "What is 2 + 2?", "¿Dónde está la biblioteca?\n\nGracias.", "x", "1")
+# template's lead-in to a user turn, whatever the first user token is. Leading
+# whitespace probes matter: BPE merges "\n" + "\n\n" across the turn boundary, so
+# the prefix must stop before any token that a user's first characters can change.
+_PROBE_MESSAGES = ("Hi", "What is 2 + 2?", "¿Dónde está la biblioteca?\n\nGracias.", "x", "1",
+                   "\n\nx", " x", "\tx", "\r\nx", "  \n")
 
 
 class CompileError(ValueError):
