@@ -7,7 +7,7 @@ context_len - q_len + i and sees own keys 0..that position.
 
 The same kernel serves the --no-relay baseline (triton_paged_decode.py): HAS_PREFIX puts
 the shared prefix in front of the own keys in one softmax, and the key range can be cut
-into splits that write fp32 partials. With MERGE_SYS the epilogue folds in the system
+into splits that write fp32 partials. With SYS_SPLITS > 0 the epilogue folds in the system
 step's partials (w = sigmoid(lse_sys - lse_ctx), per split) and writes the final o once.
 """
 
@@ -58,27 +58,32 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
 @triton.jit
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
-                  group_id, prefix_len, keys_per_split, split_base, num_sys_splits, num_kv_heads,
+                  group_id, prefix_len, keys_per_split, split_base, num_kv_heads,
                   qk_scale,
                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_ps, stride_ph, stride_bt,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
-                  MERGE_SYS: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
+                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
+                  SYS_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
+    if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
+        pid_hs = tl.program_id(0)
+        pid_m = tl.program_id(2)
+    else:  # neighbouring programs are other sequences on the same head: a shared prefix hits L2
+        pid_hs = tl.program_id(2)
+        pid_m = tl.program_id(0)
     seq = tl.program_id(1)
-    h = tl.program_id(2) % num_kv_heads
-    split = tl.program_id(2) // num_kv_heads
+    h = pid_hs % num_kv_heads
+    split = pid_hs // num_kv_heads
     if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
         if tl.load(grp_ptr + seq) != group_id:
             return
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
+    ctx_len = tl.load(ctx_ptr + seq)
     if pid_m * BLOCK_M >= q_len * G:
         return
-    ctx_len = tl.load(ctx_ptr + seq)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     i = r // G
     head = h * G + r % G
@@ -118,12 +123,13 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_mid, o_hi, qk_scale,
                                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, True, IEEE)
     o, lse = _finish(acc, m_i, l_i)
-    if MERGE_SYS:  # relay fusion: fold in every split of the system step, then write once
-        for s in range(num_sys_splits):
-            lse_s = tl.load(sl_ptr + s * stride_sls + row * stride_sln + head, mask=rmask, other=float("-inf"))
-            o_s = tl.load(so_ptr + s * stride_sos + (row * stride_son + head * stride_soh)[:, None] + offs_d[None, :],
-                          mask=rmask[:, None], other=0.0)
-            o, lse = _merge_pair(o_s.to(tl.float32), lse_s, o, lse)
+    # relay fusion: fold in every split of the system step, then write once. Unrolled, so
+    # the loads of all splits can be in flight together.
+    for s in tl.static_range(SYS_SPLITS):
+        lse_s = tl.load(sl_ptr + s * stride_sls + row * stride_sln + head, mask=rmask, other=float("-inf"))
+        o_s = tl.load(so_ptr + s * stride_sos + (row * stride_son + head * stride_soh)[:, None] + offs_d[None, :],
+                      mask=rmask[:, None], other=0.0)
+        o, lse = _merge_pair(o_s.to(tl.float32), lse_s, o, lse)
     slot = split_base + split
     o_off = slot * stride_os + row * stride_on + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -196,7 +202,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return
     cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size()))
     cfg.pop("per_sm", None)
-    grid = (triton.cdiv(meta.max_seqlen_q * group, cfg["BLOCK_M"]), meta.num_seqs, hkv * num_splits)
+    heads_fast = cfg.pop("heads_fast", prefix is None)
+    m_tiles = triton.cdiv(meta.max_seqlen_q * group, cfg["BLOCK_M"])
+    grid = (hkv * num_splits, meta.num_seqs, m_tiles) if heads_fast else (m_tiles, meta.num_seqs, hkv * num_splits)
     kp, vp = prefix if prefix is not None else (k_cache, v_cache)
     so, sl = sys_part if sys_part is not None else (out, out)
     lse_t = lse if lse is not None else out
@@ -205,7 +213,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
         seq_group if seq_group is not None else meta.context_lens,
         group_id, kp.shape[0] if prefix is not None else 0, keys_per_split, split_base,
-        so.shape[0] if sys_part is not None else 0, hkv, scale * LOG2E,
+        hkv, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kp.stride(0) if prefix is not None else 0, kp.stride(1) if prefix is not None else 0,
@@ -215,7 +223,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         so.stride(0), so.stride(1), so.stride(2),
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
-        MERGE_SYS=sys_part is not None, WRITE_LSE=lse is not None, IEEE=q.dtype == torch.float32, **cfg)
+        HEADS_FAST=heads_fast, SYS_SPLITS=so.shape[0] if sys_part is not None else 0, WRITE_LSE=lse is not None,
+        IEEE=q.dtype == torch.float32, **cfg)
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -23,20 +23,21 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _online_block(acc, m_i, l_i, q, k, v, valid, qk_scale, MASK: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile of the online softmax, scores in the log2 domain.
+    """One key tile of the online softmax; m_i is in the scaled log2 domain.
 
-    q [BM, D], k/v [BN, D], valid [BM, BN] (read only when MASK). m_i starts at a finite
-    -1e30 so a fully masked tile yields p = 0 instead of NaN.
+    q [BM, D], k/v [BN, D], valid [BM, BN] (read only when MASK). The scale is applied
+    to the row max and inside exp2's argument (one FMA a score, not a multiply and a
+    subtract). m_i starts at a finite -1e30 so a fully masked tile gives p = 0, not NaN.
     """
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
     if MASK:
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if IEEE:
