@@ -108,10 +108,10 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
         p_mid = lo + tl.maximum(p_hi - lo, 0) // BLOCK_N * BLOCK_N
         kp = kp_ptr + h * stride_ph
         vp = vp_ptr + h * stride_ph
-        acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, kp, vp, lo, p_mid, qk_scale, stride_ps, stride_ps,
-                                    D, BLOCK_N, False, IEEE)
-        acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, kp, vp, p_mid, p_hi, qk_scale, stride_ps, stride_ps,
-                                    D, BLOCK_N, True, IEEE)
+        acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, kp, vp, lo, p_mid, qk_scale, stride_ps, stride_ps, 0,
+                                    D, BLOCK_N, False, IEEE, False)
+        acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, kp, vp, p_mid, p_hi, qk_scale, stride_ps, stride_ps, 0,
+                                    D, BLOCK_N, True, IEEE, False)
     o_lo = tl.maximum(lo - pre, 0)
     o_hi = hi - pre
     o_mid = o_lo + tl.maximum(tl.minimum(o_hi, own_all) - o_lo, 0) // BLOCK_N * BLOCK_N

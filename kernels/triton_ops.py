@@ -31,13 +31,16 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float, *,
                          sys_splits: int | None = None, ctx_splits: int | None = None,
                          sys_config: dict | None = None, ctx_config: dict | None = None,
-                         overlap: bool = False) -> torch.Tensor:
+                         overlap: bool | None = None) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel on a side stream next to the
     (matrix-bound) system kernel; it then writes a partial and the merge kernel finishes,
-    instead of the fused epilogue.
+    instead of the fused epilogue. None: only for decode steps captured in a CUDA graph,
+    where the extra stream costs no host time (eager, that time exceeds the gain).
     """
+    if overlap is None:
+        overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]

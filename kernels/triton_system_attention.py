@@ -16,6 +16,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -48,14 +49,23 @@ def _online_block(acc, m_i, l_i, q, k, v, valid, qk_scale, MASK: tl.constexpr, I
 
 
 @triton.jit
-def _dense_loop(acc, m_i, l_i, q, k_base, v_base, lo, hi, qk_scale, stride_ks, stride_vs,
-                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
-    """Keys lo..hi of a contiguous [S, ., D] tensor (k_base/v_base already at the head)."""
+def _dense_loop(acc, m_i, l_i, q, k_base, v_base, lo, hi, qk_scale, stride_ks, stride_vs, col,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+                TMA: tl.constexpr):
+    """Keys lo..hi of a contiguous [S, ., D] tensor.
+
+    Pointers: k_base/v_base already at the head. TMA: they are [S, Hkv*D] tensor
+    descriptors and col = h*D; rows past S arrive as zeros and the tail mask drops them.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for start in range(lo, hi, BLOCK_N):
         keys = start + offs_n
-        if MASK:
+        if TMA:
+            k = k_base.load([start, col])
+            v = v_base.load([start, col])
+            valid = keys[None, :] < hi
+        elif MASK:
             kmask = keys < hi
             k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :], mask=kmask[:, None], other=0.0)
             v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :], mask=kmask[:, None], other=0.0)
@@ -99,7 +109,7 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr):
+                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,13 +130,17 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_base = k_ptr + h * stride_kh
-    v_base = v_ptr + h * stride_vh
+    if TMA:
+        k_base = k_ptr
+        v_base = v_ptr
+    else:
+        k_base = k_ptr + h * stride_kh
+        v_base = v_ptr + h * stride_vh
     # Full tiles need no mask; only the chunk's ragged tail does.
     acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, k_base, v_base, lo, mid, qk_scale, stride_ks,
-                                stride_vs, D, BLOCK_N, False, IEEE)
+                                stride_vs, h * D, D, BLOCK_N, False, IEEE, TMA)
     acc, m_i, l_i = _dense_loop(acc, m_i, l_i, q, k_base, v_base, mid, hi, qk_scale, stride_ks,
-                                stride_vs, D, BLOCK_N, True, IEEE)
+                                stride_vs, h * D, D, BLOCK_N, True, IEEE, TMA)
     o, lse = _finish(acc, m_i, l_i)
     o_off = split * stride_os + row * stride_on + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -240,15 +254,27 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         return
     cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size()))
     cfg.pop("per_sm", None)
+    tma = cfg.pop("tma", False) and tma_ok(k_sys) and tma_ok(v_sys)
     seq_len = k_sys.shape[0]
     per = math.ceil(math.ceil(max(seq_len, 1) / splits) / cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q * group, cfg["BLOCK_M"]), hkv, splits)
+    k_arg, v_arg = k_sys, v_sys
+    if tma:  # the copy engine fetches [BLOCK_N, D] tiles of the [S, Hkv*D] view
+        k_arg, v_arg = (TensorDescriptor.from_tensor(t.view(seq_len, -1), [cfg["BLOCK_N"], q.shape[2]])
+                        for t in (k_sys, v_sys))
     _system_kernel[grid](
-        q, k_sys, v_sys, rows if rows is not None else q, o_part, lse_part,
+        q, k_arg, v_arg, rows if rows is not None else q, o_part, lse_part,
         n_q, seq_len, per, scale * LOG2E,
         q.stride(0), q.stride(1), k_sys.stride(0), k_sys.stride(1), v_sys.stride(0), v_sys.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, **cfg)
+        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma, **cfg)
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A host tensor descriptor needs Hopper or newer (or the interpreter), 16-byte alignment."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,

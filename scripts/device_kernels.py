@@ -40,11 +40,10 @@ from kernels.triton_system_attention import (merge_partials, split_plan, system_
                                              system_config)
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
-SYS_SWEEP = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1),
-             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, per_sm=1),
-             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2),
-             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2),
-             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4, per_sm=2)]
+SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=1 if m == 128 else 2, tma=t)
+             for m, n, w, st, t in [(128, 64, 8, 3, False), (64, 64, 4, 3, False), (128, 64, 8, 3, True),
+                                    (64, 64, 4, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True),
+                                    (64, 128, 4, 2, True)]]
 PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=hf)
                for n, w, s, hf in [(64, 4, 2, False), (64, 4, 2, True), (32, 4, 3, True), (64, 2, 3, True),
                                    (32, 2, 2, True), (128, 4, 1, True)]]
@@ -136,7 +135,7 @@ def cudnn_time(q, k_full, v_full, scale):
         return bench_us(fn), eager_us(fn), out[:, :, 0], how
 
 
-def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128):
+def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_only=False):
     q, kc, vc, pre, meta = build(hq, hkv, d, batch, S, C, dev)
     scale = d ** -0.5
     case = f"{name} B={batch} S={S}+{C}"
@@ -164,6 +163,20 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128):
     check(f"{case} system lse", sl, want_sl)
     for label, kw in (("relay fused", {}), ("relay overlap", dict(overlap=True))):
         check(f"{case} {label}", relay_attention_with(q, kc, vc, meta, pre, scale, **kw), want_o)
+    tot = kv_sys + kv_own + qo
+    if sys_only:
+        for cfg in SYS_SWEEP:
+            try:
+                run_cfg, o_c, l_c = sys_runner(cfg)
+                run_cfg()
+                check(f"{case} system {cfg}", merge_partials(o_c, l_c, q.dtype)[0], want_so)
+                add(case, "(a) system kernel [sweep]", bench_us(run_cfg), kv_sys + qo, flops_sys, ceil, None, cfg)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                print(f"config {cfg} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True))):
+            fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
+            add(case, f"(b) relay {label}", bench_us(fn_relay), tot, flops_all, ceil, None, "default")
+        return
     check(f"{case} baseline", baseline(q, kc, vc, meta, pre, scale), want_o)
     k_full = torch.cat([k_sys.transpose(0, 1)[None].expand(batch, -1, -1, -1),
                         ref.gather_context(kc, meta).transpose(1, 2)], 2).contiguous()
@@ -173,10 +186,9 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128):
     check(f"{case} cuDNN ({how})", out_cudnn, want_o)
     del k_full, v_full
     torch.cuda.empty_cache()
-    tot = kv_sys + kv_own + qo
     add(case, f"(d) cuDNN per-request ({how})", t_cudnn, tot, flops_all, ceil, t_cudnn, eager=e_cudnn)
     add(case, "(a) system kernel", bench_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
-    for label, kw in (("fused", {}), ("overlap", dict(overlap=True))):
+    for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True))):
         fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
         add(case, f"(b) relay {label}", bench_us(fn_relay), tot, flops_all, ceil, t_cudnn, "default",
             eager_us(fn_relay))
@@ -233,6 +245,7 @@ def table(ceil, info) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--sys-only", action="store_true", help="only system-kernel configs and relay totals")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     dev = torch.device("cuda")
@@ -247,13 +260,14 @@ def main() -> None:
     for name, (hq, hkv, d) in HEADS.items():
         for batch in (64, 256):
             try:
-                relay_case(name, hq, hkv, d, batch, ceil, dev, args.sweep)
+                relay_case(name, hq, hkv, d, batch, ceil, dev, args.sweep, sys_only=args.sys_only)
             except Exception:  # keep the other cases' numbers
                 errors.append(traceback.format_exc())
                 print(errors[-1], flush=True)
             torch.cuda.empty_cache()
         try:
-            bandwidth_case(name, hq, hkv, d, ceil, dev, args.sweep)
+            if not args.sys_only:
+                bandwidth_case(name, hq, hkv, d, ceil, dev, args.sweep)
         except Exception:
             errors.append(traceback.format_exc())
             print(errors[-1], flush=True)
