@@ -88,7 +88,7 @@ def test_system_attention(dtype, splits, tma):
     n, s = rng.randint(1, 40), rng.randint(1, 300)
     q = torch.randn(n, hkv * group, d, device=DEVICE).to(dtype)
     k, v = (torch.randn(s, hkv, d, device=DEVICE).to(dtype) for _ in range(2))
-    config = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2, tma=True) if tma else None
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, tma=True) if tma else None
     o, lse = system_attention(q, k, v, 0.2, num_splits=splits, config=config)
     want_o, want_lse = ref.system_attention(q.float(), k.float(), v.float(), 0.2)
     assert o.dtype == dtype and lse.dtype == torch.float32
