@@ -214,12 +214,14 @@ def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> d
 def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2) -> dict:
     """Tile shape for a [rows, D] x [S, D]^T problem.
 
-    On the GPU: 64-row tiles (one warpgroup of wgmma), 64-key tiles fetched by TMA, 3
-    stages; two programs share an SM. Measured on an H200 (docs/kernels.md) against
-    128-row tiles with 8 warps: as fast at 64 queries, 4-12% faster at 256.
+    On the GPU: 64-row tiles (one warpgroup of wgmma), 64-key tiles, 3 stages; two
+    programs share an SM. On an H200 (docs/kernels.md), with K/V fetched by TMA, that
+    was as fast as 128-row tiles with 8 warps at 64 queries and 4-12% faster at 256.
+    tma=None: TMA only inside CUDA-graph capture, where building the descriptors costs
+    no host time on every step.
     """
     if device.type == "cuda":
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=True)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None)
     else:  # the interpreter: small tiles keep the split and tail paths busy
         block_m = 64 if rows > 32 else 32 if rows > 16 else 16
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2)
@@ -262,7 +264,10 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size()))
     cfg.pop("per_sm", None)
     seq_len = k_sys.shape[0]
-    tma = cfg.pop("tma", False) and seq_len >= cfg["BLOCK_N"] and tma_ok(k_sys) and tma_ok(v_sys)
+    tma = cfg.pop("tma", False)
+    if tma is None:
+        tma = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    tma = tma and seq_len >= cfg["BLOCK_N"] and tma_ok(k_sys) and tma_ok(v_sys)
     per = math.ceil(math.ceil(max(seq_len, 1) / splits) / cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q * group, cfg["BLOCK_M"]), hkv, splits)
     k_arg, v_arg = k_sys, v_sys
