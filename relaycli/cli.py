@@ -98,6 +98,7 @@ def run_cmd(
     allow_cast: bool = typer.Option(False, "--allow-cast", help="Accept an artifact of another dtype and convert it."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate max_tokens for every row (benchmarks)."),
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", help="Write the job's statistics as JSON here."),
+    flush_rows: int = typer.Option(256, "--flush-rows", help="Answers saved per part (also every 10 s); a crash loses at most these."),
     fail_on_error: bool = typer.Option(False, "--fail-on-error", help="Exit 1 when any row became an error row."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress or summary, only errors."),
 ) -> None:
@@ -114,7 +115,7 @@ def run_cmd(
                                      ignore_eos=ignore_eos),
             engine=EngineConfig(max_num_seqs=max_batch, kv_cache_gb=kv_cache_gb, relay=not no_relay,
                                 attention_impl=attention_impl),
-            stats_json=stats_json)
+            stats_json=stats_json, flush_rows=flush_rows)
         summary = run_with_progress(opts, quiet)
     if fail_on_error and summary.stats.errors:
         err_console.print(f"[red]error:[/red] {summary.stats.errors} rows failed (--fail-on-error)")

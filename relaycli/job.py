@@ -37,6 +37,7 @@ class JobOptions:
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
     engine: EngineConfig = field(default_factory=EngineConfig)
     stats_json: Path | None = None
+    flush_rows: int = 256  # answers per saved part: what a crash can cost at most
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.prompt_paths]
@@ -76,7 +77,8 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
     """on_start(total_rows, already_done); on_result(stats) after each answered row."""
     source = open_requests(opts.input_path, opts.input_format)
     writer = ResultWriter(opts.output_path, opts.output_format, resume=opts.resume,
-                          openai_output=_is_openai_input(source))
+                          openai_output=_is_openai_input(source), flush_rows=opts.flush_rows,
+                          model_name=opts.model or "default")
     try:
         done = writer.done_row_indices()
         if loaded is None:

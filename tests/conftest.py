@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# One intra-op thread: on a 2-core machine OpenMP spin-waits make small ops 10-100x
+# slower as soon as anything else runs (a subprocess CLI test, another job).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,146 @@
+"""`relay run` as a user runs it: formats, OpenAI lines, errors, exit codes, resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+SYSTEM = "You are Bolt, a hardware-store assistant. Answer in one short sentence. Screws are in aisle 4."
+QUESTIONS = ["Where are the screws?", "Do you sell paint?", "What time do you close?", "hi",
+             "Can I return a drill?", "Do you cut keys?", "Is parking free?", "What is a hex key?"]
+
+
+def relay(*args, check=True, **kw) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from relaycli.cli import entry; entry()", *map(str, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+    if check and out.returncode != 0:
+        raise AssertionError(f"relay {' '.join(map(str, args))} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("job")
+    (d / "sys.txt").write_text(SYSTEM)
+    relay("compile-prompt", d / "sys.txt", "--quiet")
+    rows = [{"id": f"q{i}", "prompt": q, "max_tokens": 8, "temperature": 0} for i, q in enumerate(QUESTIONS)]
+    rows.insert(3, {"id": "bad-type", "prompt": 7})
+    with open(d / "reqs.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        f.write("{not json\n")
+    return d
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_jsonl_in_parquet_out_with_error_rows_and_stats(job, tmp_path):
+    out = tmp_path / "out.parquet"
+    stats = tmp_path / "stats.json"
+    res = relay("run", "--in", job / "reqs.jsonl", "--out", out, "--prompt", job / "sys.relaykv",
+                "--stats-json", stats)
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "text", "finish_reason", "prompt_tokens", "cached_tokens",
+                                  "completion_tokens", "error"]
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2", "bad-type", "q3", "q4", "q5", "q6", "q7", "9"]
+    assert rows[3]["finish_reason"] == "error" and "'prompt' must be a string" in rows[3]["error"]
+    assert rows[9]["finish_reason"] == "error" and "not valid JSON" in rows[9]["error"]
+    good = [r for r in rows if r["finish_reason"] != "error"]
+    assert all(r["text"] and r["cached_tokens"] > 20 and r["error"] is None for r in good)
+    s = json.loads(stats.read_text())
+    assert s["stats"]["rows"] == 10 and s["stats"]["errors"] == 2 and s["stats"]["prefix_hits"] == 8
+    assert "prefix hits" in res.stderr  # the summary table
+    failing = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "again.jsonl", "--prompt",
+                    job / "sys.relaykv", "--fail-on-error", "--quiet", check=False)
+    assert failing.returncode == 1 and "2 rows failed" in failing.stderr
+
+
+def test_parquet_in_jsonl_out_and_no_relay_agree(job, tmp_path):
+    rows = [json.loads(line) for line in (job / "reqs.jsonl").read_text().splitlines()[:3]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "reqs.parquet")
+    relay("run", "--in", tmp_path / "reqs.parquet", "--out", tmp_path / "a.jsonl", "--prompt", job / "sys.relaykv", "--quiet")
+    relay("run", "--in", tmp_path / "reqs.parquet", "--out", tmp_path / "b.jsonl", "--prompt", job / "sys.relaykv",
+          "--quiet", "--no-relay")
+    a, b = _jsonl(tmp_path / "a.jsonl"), _jsonl(tmp_path / "b.jsonl")
+    assert [r["id"] for r in a] == ["q0", "q1", "q2"] and a == b
+
+
+def test_openai_batch_in_and_out(job, tmp_path):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "x", "messages": [{"role": "user", "content": q}], "max_tokens": 6, "temperature": 0}}
+             for i, q in enumerate(QUESTIONS[:3])]
+    lines.append({"custom_id": "c-bad", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}})
+    src = tmp_path / "batch.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    relay("run", "--in", src, "--out", tmp_path / "out.jsonl", "--prompt", job / "sys.relaykv", "--quiet")
+    out = _jsonl(tmp_path / "out.jsonl")
+    assert [o["custom_id"] for o in out] == ["c0", "c1", "c2", "c-bad"]
+    ok = out[0]["response"]
+    assert ok["status_code"] == 200 and ok["body"]["choices"][0]["message"]["content"]
+    assert ok["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 20
+    assert out[3]["response"] is None and out[3]["error"]["message"]
+
+
+def test_refusals_before_any_work(job, tmp_path):
+    missing = relay("run", "--in", tmp_path / "nope.jsonl", "--out", tmp_path / "o.parquet", check=False)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    bad_art = tmp_path / "bad.relaykv"
+    bad_art.write_bytes((job / "sys.relaykv").read_bytes()[:1000])
+    res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "o.parquet", "--prompt", bad_art, check=False)
+    assert res.returncode == 2 and "truncated" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "o.parquet").exists()
+    res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "no" / "o.parquet", check=False)
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    (tmp_path / "exists.parquet").write_bytes(b"x")
+    res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "exists.parquet", check=False)
+    assert res.returncode == 2 and "--resume" in res.stderr
+
+
+def test_resume_after_kill_9_loses_and_doubles_nothing(job, tmp_path):
+    n = 40
+    rng = random.Random()
+    src = tmp_path / "many.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"{rng.choice(QUESTIONS)} ({i})",
+                                       "max_tokens": 4, "temperature": 0}) + "\n" for i in range(n)))
+    out = tmp_path / "many.parquet"
+    args = ["run", "--in", src, "--out", out, "--prompt", job / "sys.relaykv", "--max-batch", "4", "--quiet",
+            "--flush-rows", "3"]
+    cmd = [sys.executable, "-c", "from relaycli.cli import entry; entry()", *map(str, args)]
+    killed_mid_job = 0
+    for attempt in range(2):
+        proc = subprocess.Popen(cmd + (["--resume"] if attempt else []),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        parts = Path(str(out) + ".parts")
+        deadline = time.time() + 300
+        # Kill at a random moment once some rows are saved, so the kill lands mid-job.
+        want = rng.randint(1, 3)
+        while time.time() < deadline and proc.poll() is None:
+            if parts.is_dir() and len([p for p in parts.iterdir() if not p.name.startswith(".")]) >= want:
+                time.sleep(rng.uniform(0, 1.5))
+                break
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed_mid_job += not out.exists()
+        proc.wait()
+    assert killed_mid_job >= 1, "the job finished before any kill: the test proved nothing"
+    relay(*args, "--resume")
+    rows = pq.read_table(out).to_pylist()
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(n)]
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    fresh = tmp_path / "fresh.parquet"
+    relay("run", "--in", src, "--out", fresh, "--prompt", job / "sys.relaykv", "--max-batch", "4", "--quiet")
+    assert pq.read_table(fresh).to_pylist() == rows
