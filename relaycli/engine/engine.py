@@ -68,8 +68,11 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, artifacts: list = (), config: EngineConfig | None = None) -> None:
-        """artifacts: loaded .relaykv artifacts (name, system_text, token_ids, keys, values)."""
+    def __init__(self, loaded: LoadedModel, artifacts: list = (), config: EngineConfig | None = None,
+                 record_token_ids: bool = False) -> None:
+        """artifacts: loaded .relaykv artifacts (name, system_text, token_ids, keys, values).
+        record_token_ids: keep each finished row's generated ids in token_ids_by_row
+        (checks and benchmarks; a job does not need them)."""
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.artifacts = list(artifacts)
@@ -83,6 +86,7 @@ class Engine:
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._live: dict[int, _Live] = {}
+        self.token_ids_by_row: dict[int, list[int]] | None = {} if record_token_ids else None
 
     # ---- turning rows into sequences -------------------------------------------------
     def _to_token_request(self, row: RequestRow) -> TokenRequest | ResultRow:
@@ -209,6 +213,8 @@ class Engine:
     def _result(self, live: _Live) -> ResultRow:
         seq = live.seq
         ids = seq.output_ids
+        if self.token_ids_by_row is not None:
+            self.token_ids_by_row[live.row_index] = list(ids)
         if seq.finish_reason == "stop" and seq.stop_text_end is None and ids and ids[-1] in self.eos_ids:
             ids = ids[:-1]
         text = self.loaded.tokenizer.decode(ids) if self.loaded.tokenizer is not None else ""

@@ -1,0 +1,194 @@
+"""End-to-end engine checks and throughput on a GPU (also runs on CPU with --quick).
+
+1. Default model, fp32: greedy relay, --no-relay and transformers are token-identical.
+2. dummy:llama3-8b, bf16: relay vs transformers on the same random weights. Reported
+   as (a) identical whole sequences and (b) teacher-forced agreement: the share of
+   relay's greedy tokens that transformers also picks given the same context (one
+   near-tie flip does not then count every later token as a miss).
+3. Throughput of relay vs --no-relay on dummy models with a shared system prompt
+   (random token ids), every request generating exactly its max_tokens.
+Writes e2e.json under $OUT (or ./out) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.registry import load_model
+from relaycli.compile import compile_prompt, load_checked, prefill_kv
+from relaycli.config import EngineConfig
+from relaycli.engine.engine import Engine, TokenRequest
+from relaycli.engine.sequence import SamplingOptions
+from relaycli.io.requests import RequestRow, SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "How do I reset my password?",
+             "List three prime numbers.", "Explain photosynthesis briefly.", "What is 12 times 7?",
+             "Give me a tip for sleeping better.", "Translate 'thank you' to Spanish.", "Who wrote Hamlet?",
+             "Describe a cat in one sentence.", "What is the boiling point of water?", "Name a planet.",
+             "Suggest a name for a bakery.", "Why do leaves change colour?", "hi", "What is a prime number?",
+             "How many legs does a spider have?", "Say something kind.", "What is Python?", "Count to five."]
+
+
+@dataclass
+class Prefix:
+    """What Engine needs of an artifact when ids come without a tokenizer."""
+
+    name: str
+    system_text: str
+    token_ids: list
+    keys: list
+    values: list
+
+
+def hf_from_relay(lm):
+    """A transformers model holding exactly the weights of a relay model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = lm.config
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta} if c.rope_scaling is None else \
+        dict(c.rope_scaling, rope_theta=c.rope_theta)
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                      rope_parameters=rope, tie_word_embeddings=c.tie_word_embeddings)
+    with torch.device(lm.model.device):
+        hf = LlamaForCausalLM._from_config(cfg, dtype=lm.model.dtype)
+    missing, unexpected = hf.load_state_dict(lm.model.state_dict(), strict=False)
+    assert not [m for m in missing if "rotary" not in m and not (m == "lm_head.weight" and c.tie_word_embeddings)], missing
+    assert not unexpected, unexpected
+    return hf.eval()
+
+
+def check_default(device: str, max_tokens: int) -> dict:
+    lm = load_model(None, dtype="float32", device=device)
+    from transformers import AutoModelForCausalLM
+    from models.registry import default_gguf_path
+    path = default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).to(device)
+    system = Path(__file__).resolve().parent.parent.joinpath("examples/system_prompt.txt").read_text().strip()
+    art_path = Path("e2e_sys.relaykv")
+    compile_prompt(lm, system, art_path)
+    art = load_checked(art_path, lm)
+    rows = [RequestRow(i, str(i), [{"role": "user", "content": q}],
+                       sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)) for i, q in enumerate(QUESTIONS)]
+    outs = {}
+    for relay in (True, False):
+        eng = Engine(lm, [art], EngineConfig(max_num_seqs=32, relay=relay))
+        outs[relay] = sorted(eng.generate(rows), key=lambda r: r.row_index)
+        impl = eng.runner.attention_impl
+    same = 0
+    for row, a, b in zip(rows, outs[True], outs[False]):
+        ids = lm.tokenizer.render([{"role": "system", "content": system}] + row.messages)
+        x = torch.tensor([ids], device=device)
+        gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False)
+        want = lm.tokenizer.decode([t for t in gen[0, len(ids):].tolist() if t not in lm.tokenizer.eos_token_ids])
+        same += a.text == want == b.text
+    return {"impl": impl, "requests": len(rows), "identical_relay_norelay_hf": same}
+
+
+def dummy_prefix(lm, num_tokens: int, rng: random.Random) -> Prefix:
+    ids = [rng.randrange(lm.config.vocab_size) for _ in range(num_tokens)]
+    keys, values = prefill_kv(lm, ids) if num_tokens else ([], [])
+    return Prefix("sys", "", ids, keys, values)
+
+
+def check_dummy_bf16(device: str, preset: str, max_tokens: int, num_requests: int) -> dict:
+    rng = random.Random(0)
+    lm = load_model(f"dummy:{preset}", dtype="bfloat16", device=device)
+    hf = hf_from_relay(lm)
+    prefix = dummy_prefix(lm, 512, rng)
+    reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(4, 40))],
+                         SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0) for i in range(num_requests)]
+    eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=64), record_token_ids=True)
+    results = {r.row_index: r for r in eng.generate_tokens(reqs)}
+    outs = eng.token_ids_by_row
+    whole = agree = total = 0
+    for req in reqs:
+        mine = outs[req.row_index]
+        x = torch.tensor([req.prompt_ids], device=device)
+        gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                          do_sample=False)[0, x.shape[1]:].tolist()
+        whole += gen == mine
+        full = torch.tensor([req.prompt_ids + mine], device=device)
+        with torch.inference_mode():
+            pred = hf(full).logits[0, len(req.prompt_ids) - 1:-1].argmax(-1).tolist()
+        agree += sum(p == t for p, t in zip(pred, mine))
+        total += len(mine)
+    assert len(results) == num_requests
+    return {"preset": preset, "requests": num_requests, "identical_sequences": whole,
+            "teacher_forced_token_agreement": agree / total, "impl": eng.runner.attention_impl}
+
+
+def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int,
+               max_batch: int, dtype: str) -> list[dict]:
+    rng = random.Random(1)
+    lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
+    prefix = dummy_prefix(lm, prefix_tokens, rng)
+    own = [rng.randint(16, 256) for _ in range(num_requests)]
+    rows = []
+    for relay in (True, False):
+        reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(n)],
+                             SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
+                             prefix_slot=0 if prefix_tokens else None) for i, n in enumerate(own)]
+        eng = Engine(lm, [prefix] if prefix_tokens else [], EngineConfig(max_num_seqs=max_batch, relay=relay,
+                                                                         max_num_batched_tokens=16384))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        n_out = sum(1 for _ in eng.generate_tokens(reqs))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        st = eng.stats
+        rows.append({"preset": preset, "prefix": prefix_tokens, "system": "relay" if relay else "no-relay",
+                     "requests": n_out, "seconds": elapsed, "gen_tok_s": st.completion_tokens / elapsed,
+                     "req_s": n_out / elapsed, "decode_step_ms": 1000 * st.decode_seconds / max(st.decode_steps, 1),
+                     "prefill_s": st.prefill_seconds, "impl": eng.runner.attention_impl})
+        print(rows[-1], flush=True)
+        del eng
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    rows[0]["speedup"] = rows[0]["gen_tok_s"] / rows[1]["gen_tok_s"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--parts", default="default,dummy,throughput")
+    args = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    parts = args.parts.split(",")
+    if "default" in parts:
+        report["default_fp32"] = check_default(args.device, 8 if args.quick else 32)
+        print(report["default_fp32"], flush=True)
+    if "dummy" in parts:
+        report["dummy_bf16"] = check_dummy_bf16(args.device, "tiny" if args.quick else "llama3-8b",
+                                                8 if args.quick else 32, 4 if args.quick else 16)
+        print(report["dummy_bf16"], flush=True)
+    if "throughput" in parts:
+        table = []
+        shapes = [("tiny", 256, 8, 8, 8)] if args.quick else \
+            [("llama2-7b", p, 512, 128, 256) for p in (2048, 8192)] + [("llama3-8b", 2048, 512, 128, 256)]
+        for preset, prefix, n, m, b in shapes:
+            table += throughput(args.device, preset, prefix, n, m, b, "float32" if args.quick else "bfloat16")
+        report["throughput"] = table
+    (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
+    for row in report.get("throughput", []):
+        print(f"{row['preset']:10s} prefix {row['prefix']:5d} {row['system']:8s} {row['gen_tok_s']:9.1f} tok/s "
+              f"{row['req_s']:7.2f} req/s step {row['decode_step_ms']:7.2f} ms  x{row.get('speedup', 0):.2f}")
+
+
+if __name__ == "__main__":
+    main()
