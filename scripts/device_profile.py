@@ -1,0 +1,85 @@
+"""Where a decode step's time goes: host preparation, model forward, sampling.
+
+Runs a dummy model with a shared prefix, lets the batch reach steady decode, then
+profiles a few decode steps with torch.profiler. Usage:
+  python scripts/device_profile.py [--preset llama2-7b] [--prefix 2048] [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from models.registry import load_model
+from relaycli.compile import prefill_kv
+from relaycli.config import EngineConfig
+from relaycli.engine.engine import Engine, TokenRequest
+from relaycli.engine.sequence import SamplingOptions
+
+
+class _Prefix:
+    def __init__(self, ids, keys, values):
+        self.name, self.system_text, self.token_ids, self.keys, self.values = "sys", "", ids, keys, values
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama2-7b")
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--relay", type=int, default=1)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    lm = load_model(f"dummy:{args.preset}", dtype="bfloat16", device="cuda")
+    ids = [rng.randrange(lm.config.vocab_size) for _ in range(args.prefix)]
+    keys, values = prefill_kv(lm, ids)
+    prefix = _Prefix(ids, keys, values)
+    reqs = [TokenRequest(i, str(i), ids + [rng.randrange(lm.config.vocab_size) for _ in range(64)],
+                         SamplingOptions(max_tokens=64, ignore_eos=True), prefix_slot=0) for i in range(args.batch)]
+    eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=args.batch, relay=bool(args.relay)))
+    for r in reqs:
+        eng._admit(r)
+    runner = eng.runner
+    seqs, is_prefill = eng.scheduler.schedule()
+    assert is_prefill
+    toks = runner.run(seqs, True)
+    for s, t in zip(seqs, toks):
+        s.output_ids.append(t)
+
+    def decode_step():
+        seqs, is_prefill = eng.scheduler.schedule()
+        assert not is_prefill
+        t0 = time.perf_counter()
+        batch = runner.prepare(seqs, False)
+        t1 = time.perf_counter()
+        input_ids, positions, meta, last_rows = batch
+        hidden = runner.model(input_ids, positions, runner.attention.attend_fn(meta))
+        logits = runner.model.compute_logits(hidden[last_rows])
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        for s in seqs:
+            s.num_cached_own = s.num_own_tokens
+        out = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, out):
+            s.output_ids.append(t)
+        return t1 - t0, t2 - t1, t3 - t2
+
+    for _ in range(5):
+        decode_step()
+    times = [decode_step() for _ in range(10)]
+    med = [sorted(x)[len(x) // 2] * 1e3 for x in zip(*times)]
+    print(f"median ms: prepare {med[0]:.2f}  forward launch (host) {med[1]:.2f}  wait for GPU {med[2]:.2f}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            decode_step()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
