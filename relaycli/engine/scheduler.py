@@ -57,7 +57,7 @@ class Scheduler:
             return scheduled, True
         decode: list[Sequence] = []
         for seq in list(self.running):
-            if seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]

@@ -29,7 +29,7 @@ class SamplingOptions:
         return self.temperature == 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list operations must not compare token lists
 class Sequence:
     """Token ids are the whole rendered prompt; the first num_prefix_tokens of them are
     a loaded shared prefix (prefix_slot), whose KV lives outside the paged cache. Every
