@@ -14,6 +14,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
     relay: bool = True  # False: the --no-relay baseline
     attention_impl: str = "auto"  # auto | torch | triton
+    cuda_graphs: bool = True  # decode steps through CUDA graphs (CUDA + triton only)
     max_pending_rows: int | None = None  # rows read ahead of the batch; None: 4 x max_num_seqs
 
     def __post_init__(self) -> None:

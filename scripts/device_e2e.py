@@ -109,11 +109,15 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
     reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(4, 40))],
                          SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0) for i in range(num_requests)]
     outs = {}
-    for relay in (True, False):
-        eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=64, relay=relay), record_token_ids=True)
+    for relay, graphs in ((True, True), (False, True), ("eager", False)):
+        eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=64, relay=bool(relay), cuda_graphs=graphs),
+                     record_token_ids=True)
         results = {r.row_index: r for r in eng.generate_tokens(reqs)}
         outs[relay] = eng.token_ids_by_row
+        replays = eng.runner.graphs.num_replays if eng.runner.graphs else 0
+        outs.setdefault("replays", []).append(replays)
         del eng
+    graph_vs_eager = sum(outs[True][r.row_index] == outs["eager"][r.row_index] for r in reqs)
     # The fp32 twin of the same weights calibrates what bf16 rounding alone does.
     hf32 = hf_from_relay(lm, torch.float32) if dtype != "float32" else None
     whole = agree = agree32 = agree_hf = total = 0
@@ -138,13 +142,14 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"preset": preset, "dtype": dtype, "requests": num_requests, "identical_relay_vs_no_relay": relay_vs_base,
+            "identical_relay_graphed_vs_eager": graph_vs_eager, "graph_replays": outs["replays"],
             "identical_sequences_vs_hf": whole, "teacher_forced_token_agreement_vs_hf": agree / total,
             "teacher_forced_agreement_relay_vs_hf_fp32": agree32 / total,
             "teacher_forced_agreement_hf_vs_hf_fp32 (bf16 noise floor)": agree_hf / total}
 
 
 def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int,
-               max_batch: int, dtype: str) -> list[dict]:
+               max_batch: int, dtype: str, systems=(("relay", True), ("no-relay", True))) -> list[dict]:
     rng = random.Random(1)
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     # Throughput does not depend on weight values; let a 4k-context preset hold long prompts.
@@ -152,12 +157,14 @@ def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, 
     prefix = dummy_prefix(lm, prefix_tokens, rng)
     own = [rng.randint(16, 256) for _ in range(num_requests)]
     rows = []
-    for relay in (True, False):
+    for name, graphs in systems:
+        relay = name.startswith("relay")
         reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(n)],
                              SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
                              prefix_slot=0 if prefix_tokens else None) for i, n in enumerate(own)]
         eng = Engine(lm, [prefix] if prefix_tokens else [], EngineConfig(max_num_seqs=max_batch, relay=relay,
-                                                                         max_num_batched_tokens=16384))
+                                                                         max_num_batched_tokens=16384,
+                                                                         cuda_graphs=graphs))
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -166,7 +173,7 @@ def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, 
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         st = eng.stats
-        rows.append({"preset": preset, "prefix": prefix_tokens, "system": "relay" if relay else "no-relay",
+        rows.append({"preset": preset, "prefix": prefix_tokens, "system": name,
                      "requests": n_out, "seconds": elapsed, "gen_tok_s": st.completion_tokens / elapsed,
                      "req_s": n_out / elapsed, "decode_step_ms": 1000 * st.decode_seconds / max(st.decode_steps, 1),
                      "prefill_s": st.prefill_seconds, "impl": eng.runner.attention_impl})
@@ -174,7 +181,9 @@ def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, 
         del eng
         if device == "cuda":
             torch.cuda.empty_cache()
-    rows[0]["speedup"] = rows[0]["gen_tok_s"] / max(rows[1]["gen_tok_s"], 1e-9)
+    base = next(r for r in rows if r["system"] == "no-relay")
+    for r in rows:
+        r["speedup"] = r["gen_tok_s"] / max(base["gen_tok_s"], 1e-9)
     return rows
 
 
@@ -201,13 +210,14 @@ def main() -> None:
         table = []
         shapes = [("tiny", 256, 8, 8, 8)] if args.quick else \
             [("llama2-7b", p, 512, 128, 256) for p in (2048, 8192)] + [("llama3-8b", 2048, 512, 128, 256)]
-        for preset, prefix, n, m, b in shapes:
-            table += throughput(args.device, preset, prefix, n, m, b, "float32" if args.quick else "bfloat16")
+        for i, (preset, prefix, n, m, b) in enumerate(shapes):
+            systems = (("relay", True), ("no-relay", True)) + ((("relay-eager", False),) if i == 0 else ())
+            table += throughput(args.device, preset, prefix, n, m, b, "float32" if args.quick else "bfloat16", systems)
             report["throughput"] = table
             (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     for row in report.get("throughput", []):
-        print(f"{row['preset']:10s} prefix {row['prefix']:5d} {row['system']:8s} {row['gen_tok_s']:9.1f} tok/s "
+        print(f"{row['preset']:10s} prefix {row['prefix']:5d} {row['system']:11s} {row['gen_tok_s']:9.1f} tok/s "
               f"{row['req_s']:7.2f} req/s step {row['decode_step_ms']:7.2f} ms  x{row.get('speedup', 0):.2f}")
 
 

@@ -43,11 +43,11 @@ def main() -> None:
     for r in reqs:
         eng._admit(r)
     runner = eng.runner
-    seqs, is_prefill = eng.scheduler.schedule()
-    assert is_prefill
-    toks = runner.run(seqs, True)
-    for s, t in zip(seqs, toks):
-        s.output_ids.append(t)
+    while eng.scheduler.waiting:
+        seqs, is_prefill = eng.scheduler.schedule()
+        assert is_prefill
+        for s, t in zip(seqs, runner.run(seqs, True)):
+            s.output_ids.append(t)
 
     def decode_step():
         seqs, is_prefill = eng.scheduler.schedule()

@@ -37,7 +37,9 @@ class ModelRunner:
         self.dtype = loaded.model.dtype
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(config)
-        shape = (self.num_blocks, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
+        # One more block than the block manager hands out: a scratch block that padded
+        # rows of a graphed decode step write to.
+        shape = (self.num_blocks + 1, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
         layers = range(self.mc.num_hidden_layers)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
@@ -52,6 +54,10 @@ class ModelRunner:
                                         "relay" if config.relay else "no-relay", impl,
                                         self.mc.head_dim ** -0.5)
         self.sampler = Sampler(self.device)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda" and impl == "triton":
+            from relaycli.engine.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, scratch_block=self.num_blocks)
 
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -69,7 +75,7 @@ class ModelRunner:
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(_CPU_DEFAULT_KV_GB * 1024**3, 0.25 * avail)
-        return max(int(budget // per_block), 1)
+        return max(int(budget // per_block) - 1, 1)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -119,9 +125,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One forward step for these sequences; returns the next token of each."""
-        input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
-        hidden = self.model(input_ids, positions, self.attention.attend_fn(meta))
-        logits = self.model.compute_logits(hidden[last_rows])
+        key = None if is_prefill or self.graphs is None else self.graphs.key(seqs)
+        if key is not None:
+            logits = self.graphs.run(seqs, key)
+        else:
+            input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+            hidden = self.model(input_ids, positions, self.attention.attend_fn(meta))
+            logits = self.model.compute_logits(hidden[last_rows])
         for seq in seqs:
             seq.num_cached_own = seq.num_own_tokens
         return self.sampler.sample(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])

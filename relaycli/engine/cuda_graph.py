@@ -1,0 +1,119 @@
+"""CUDA graphs of the decode step (only the decode step: prefill shapes vary too much).
+
+A decode step is many small launches (about 45 a layer), so eagerly the host, not the
+GPU, sets its pace. A graph replays all of them with one launch. Graphs are captured
+lazily per (batch bucket, context bucket, prefix slot) on static input buffers:
+- batch bucket: the next size of BATCH_BUCKETS; padded rows write their k/v to a
+  scratch block that no sequence owns and their outputs are dropped;
+- context bucket: the next power of two of the longest own context; the kernels read
+  each row's true length from context_lens, the bucket only sizes their split plan;
+- prefix slot: every sequence of a graphed step shares one loaded prefix (or none),
+  the common case of a job. Other steps run eagerly, computing the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.engine.sequence import Sequence
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MIN_CONTEXT_BUCKET = 64
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_num_seqs: int, scratch_block: int) -> None:
+        self.runner = runner
+        dev = runner.device
+        self.block_size = runner.block_size
+        self.max_context = runner.mc.max_position_embeddings
+        self.max_bs = next((b for b in BATCH_BUCKETS if b >= max_num_seqs), max_num_seqs)
+        max_blocks = -(-self.max_context // self.block_size)
+        self.scratch_block = scratch_block
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((self.max_bs,), scratch_block * self.block_size, dtype=torch.int64, device=dev)
+        self.context_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((self.max_bs, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def key(self, seqs: list[Sequence]) -> tuple[int, int, int | None] | None:
+        """The graph that can run this step, or None (mixed prefixes, too large)."""
+        slot = seqs[0].prefix_slot
+        if any(s.prefix_slot != slot for s in seqs) or len(seqs) > self.max_bs:
+            return None
+        bs = next(b for b in BATCH_BUCKETS if b >= len(seqs))
+        longest = max(s.num_own_tokens for s in seqs)
+        ctx = MIN_CONTEXT_BUCKET
+        while ctx < longest:
+            ctx *= 2
+        return bs, min(ctx, self.max_context), slot
+
+    def _fill(self, seqs: list[Sequence], bs: int) -> None:
+        n = len(seqs)
+        bsz = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        width = self.block_tables.shape[1]
+        tables = []
+        for s in seqs:
+            i = s.num_own_tokens - 1
+            ids.append(s.last_token)
+            pos.append(s.num_prefix_tokens + i)
+            slots.append(s.block_table[i // bsz] * bsz + i % bsz)
+            lens.append(s.num_own_tokens)
+            tables.append(s.block_table + [self.scratch_block] * (width - len(s.block_table)))
+        dev = self.input_ids.device
+        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        self.context_lens[:n].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        if bs > n:  # rows left from a larger earlier step must not touch real blocks
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.slot_mapping[n:bs].fill_(self.scratch_block * bsz)
+            self.context_lens[n:bs].fill_(1)
+            self.block_tables[n:bs].fill_(self.scratch_block)
+        del dev
+
+    def _meta(self, bs: int, ctx: int, slot: int | None) -> AttentionMetadata:
+        groups = []
+        if slot is not None:
+            prefix = self.runner.prefixes[slot]
+            groups = [PrefixGroup(slot, prefix.num_tokens, self.rows[:bs], self.rows[:bs])]
+        return AttentionMetadata(
+            is_decode=True, cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=1,
+            context_lens=self.context_lens[:bs], max_context_len=ctx,
+            block_tables=self.block_tables[:bs, :-(-ctx // self.block_size)],
+            slot_mapping=self.slot_mapping[:bs], block_size=self.block_size, prefix_groups=groups)
+
+    def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        model = self.runner.model
+        hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.attention.attend_fn(meta))
+        return model.compute_logits(hidden)
+
+    def run(self, seqs: list[Sequence], key: tuple[int, int, int | None]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] fp32 of one decode step, through the graph for key."""
+        bs, ctx, slot = key
+        self._fill(seqs, bs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            meta = self._meta(bs, ctx, slot)
+            # Eager warm-up compiles the kernels; a first, discarded capture compiles the
+            # variants that only run under capture (see kernels/triton_ops.py).
+            self._forward(bs, meta)
+            for _ in range(2):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self._forward(bs, meta)
+                self.pool = graph.pool()
+            entry = self.graphs[key] = (graph, logits)
+        graph, logits = entry
+        graph.replay()
+        self.num_replays += 1
+        return logits[:len(seqs)]
