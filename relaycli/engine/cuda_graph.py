@@ -40,6 +40,7 @@ class DecodeGraphs:
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
         self.num_replays = 0
 
     def key(self, seqs: list[Sequence]) -> tuple[int, int, int | None] | None:
@@ -107,11 +108,13 @@ class DecodeGraphs:
             # Eager warm-up compiles the kernels; a first, discarded capture compiles the
             # variants that only run under capture (see kernels/triton_ops.py).
             self._forward(bs, meta)
-            for _ in range(2):
+            for attempt in range(2):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     logits = self._forward(bs, meta)
                 self.pool = graph.pool()
+                if attempt == 0:
+                    self._warmup_graphs.append(graph)
             entry = self.graphs[key] = (graph, logits)
         graph, logits = entry
         graph.replay()
