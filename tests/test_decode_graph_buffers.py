@@ -41,7 +41,7 @@ def test_static_buffers_match_the_eager_decode_step():
             seqs = seqs[:3]  # a smaller batch after a larger one: stale rows must be reset
         bs, ctx, slot = graphs.key(seqs)
         assert bs >= len(seqs) and ctx >= max(s.num_own_tokens for s in seqs) and slot == 0
-        graphs._fill(seqs, bs)
+        graphs._fill(seqs, bs, ctx)
         graphed = graphs._forward(bs, graphs._meta(bs, ctx, slot))[:len(seqs)]
         input_ids, positions, meta, last_rows = runner.prepare(seqs, False)
         eager = lm.model.compute_logits(lm.model(input_ids, positions, runner.attention.attend_fn(meta))[last_rows])

@@ -55,12 +55,11 @@ class DecodeGraphs:
             ctx *= 2
         return bs, min(ctx, self.max_context), slot
 
-    def _fill(self, seqs: list[Sequence], bs: int) -> None:
+    def _fill(self, seqs: list[Sequence], bs: int, ctx: int) -> None:
         n = len(seqs)
         bsz = self.block_size
-        ids, pos, slots, lens = [], [], [], []
-        width = self.block_tables.shape[1]
-        tables = []
+        width = -(-ctx // bsz)  # only the columns this context bucket reads
+        ids, pos, slots, lens, tables = [], [], [], [], []
         for s in seqs:
             i = s.num_own_tokens - 1
             ids.append(s.last_token)
@@ -68,19 +67,17 @@ class DecodeGraphs:
             slots.append(s.block_table[i // bsz] * bsz + i % bsz)
             lens.append(s.num_own_tokens)
             tables.append(s.block_table + [self.scratch_block] * (width - len(s.block_table)))
-        dev = self.input_ids.device
         self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
         self.positions[:n].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
         self.context_lens[:n].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
         if bs > n:  # rows left from a larger earlier step must not touch real blocks
             self.input_ids[n:bs].zero_()
             self.positions[n:bs].zero_()
             self.slot_mapping[n:bs].fill_(self.scratch_block * bsz)
             self.context_lens[n:bs].fill_(1)
-            self.block_tables[n:bs].fill_(self.scratch_block)
-        del dev
+            self.block_tables[n:bs, :width].fill_(self.scratch_block)
 
     def _meta(self, bs: int, ctx: int, slot: int | None) -> AttentionMetadata:
         groups = []
@@ -101,7 +98,7 @@ class DecodeGraphs:
     def run(self, seqs: list[Sequence], key: tuple[int, int, int | None]) -> torch.Tensor:
         """Logits [len(seqs), vocab] fp32 of one decode step, through the graph for key."""
         bs, ctx, slot = key
-        self._fill(seqs, bs)
+        self._fill(seqs, bs, ctx)
         entry = self.graphs.get(key)
         if entry is None:
             meta = self._meta(bs, ctx, slot)
