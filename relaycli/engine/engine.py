@@ -47,10 +47,16 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     preemptions: int = 0
+    ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
     started: float = field(default_factory=time.perf_counter)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "started"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds")}
+        ttft = sorted(self.ttft_seconds)
+        d["ttft_mean_seconds"] = sum(ttft) / len(ttft) if ttft else None
+        d["ttft_p50_seconds"] = ttft[len(ttft) // 2] if ttft else None
+        d["ttft_p90_seconds"] = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None
+        d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
         elapsed = time.perf_counter() - self.started
         d["elapsed_seconds"] = elapsed
         d["generated_tokens_per_second"] = self.completion_tokens / elapsed if elapsed > 0 else 0.0
@@ -118,7 +124,8 @@ class Engine:
         prefix_len = 0 if req.prefix_slot is None else self.runner.prefixes[req.prefix_slot].num_tokens
         opts = req.sampling
         max_new = min(opts.max_tokens, self.max_context - num_prompt)
-        seq = Sequence(next(self._seq_ids), list(req.prompt_ids), opts, prefix_len, req.prefix_slot)
+        seq = Sequence(next(self._seq_ids), list(req.prompt_ids), opts, prefix_len, req.prefix_slot,
+                       arrival_time=time.perf_counter())
         if not self.scheduler.fits_ever(seq, max_new):
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: prompt plus max_tokens needs "
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
@@ -186,8 +193,12 @@ class Engine:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += dt
         finished = []
+        now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
             seq.output_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.stats.ttft_seconds.append(now - seq.arrival_time)
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 seq.finish_reason = reason

@@ -46,6 +46,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a stop string cut the text
+    arrival_time: float = 0.0  # perf_counter when admitted
+    first_token_time: float | None = None  # perf_counter when its first token was sampled
 
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):
