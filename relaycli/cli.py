@@ -12,10 +12,12 @@ import typer
 from rich.console import Console
 
 from relaycli import __version__
+from relaycli.bench.cli import bench_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Batch LLM inference for jobs that share one long system prompt.")
 err_console = Console(stderr=True)
+app.add_typer(bench_app, name="bench")
 
 
 def _version(value: bool) -> None:
@@ -46,6 +48,17 @@ def _user_errors():
             OutputError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
+
+
+@contextmanager
+def _interruptible(output_path: Path):
+    """Ctrl-C: the answers already finished were flushed by the writer; say how to go on."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"[yellow]interrupted:[/yellow] finished answers are saved next to {output_path}; "
+                          "run the same command with --resume to answer the rest", highlight=False)
+        raise typer.Exit(130)
 
 
 @app.command("compile-prompt")
@@ -107,7 +120,7 @@ def run_cmd(
     from relaycli.io.requests import RequestDefaults
     from relaycli.job import JobOptions
     from relaycli.ui import run_with_progress
-    with _user_errors():
+    with _user_errors(), _interruptible(output_path):
         opts = JobOptions(
             input_path=input_path, output_path=output_path, prompt_paths=list(prompt), model=model,
             dtype=dtype, device=device, input_format=input_format, resume=resume, allow_cast=allow_cast,
