@@ -118,6 +118,7 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
         replays = eng.runner.graphs.num_replays if eng.runner.graphs else 0
         outs.setdefault("replays", []).append(replays)
         del eng
+        gc.collect()
     graph_vs_eager = sum(outs[True][r.row_index] == outs["eager"][r.row_index] for r in reqs)
     # The fp32 twin of the same weights calibrates what bf16 rounding alone does.
     hf32 = hf_from_relay(lm, torch.float32) if dtype != "float32" else None
@@ -140,6 +141,7 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
     assert len(results) == num_requests
     del hf32
     del hf, lm
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"preset": preset, "dtype": dtype, "requests": num_requests, "identical_relay_vs_no_relay": relay_vs_base,

@@ -24,7 +24,9 @@ MIN_CONTEXT_BUCKET = 64
 
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int, scratch_block: int) -> None:
-        self.runner = runner
+        # Keep what the step needs, not the runner: no reference cycle, so the KV cache
+        # is freed as soon as the engine goes.
+        self.model, self.attention, self.prefixes = runner.model, runner.attention, runner.prefixes
         dev = runner.device
         self.block_size = runner.block_size
         self.max_context = runner.mc.max_position_embeddings
@@ -82,7 +84,7 @@ class DecodeGraphs:
     def _meta(self, bs: int, ctx: int, slot: int | None) -> AttentionMetadata:
         groups = []
         if slot is not None:
-            prefix = self.runner.prefixes[slot]
+            prefix = self.prefixes[slot]
             groups = [PrefixGroup(slot, prefix.num_tokens, self.rows[:bs], self.rows[:bs])]
         return AttentionMetadata(
             is_decode=True, cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=1,
@@ -91,8 +93,8 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:bs], block_size=self.block_size, prefix_groups=groups)
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
-        model = self.runner.model
-        hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.attention.attend_fn(meta))
+        model = self.model
+        hidden = model(self.input_ids[:bs], self.positions[:bs], self.attention.attend_fn(meta))
         return model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], key: tuple[int, int, int | None]) -> torch.Tensor:
