@@ -5,7 +5,7 @@ GPU, sets its pace. A graph replays all of them with one launch. Graphs are capt
 lazily per (batch bucket, context bucket, prefix slot) on static input buffers:
 - batch bucket: the next size of BATCH_BUCKETS; padded rows write their k/v to a
   scratch block that no sequence owns and their outputs are dropped;
-- context bucket: the next power of two of the longest own context; the kernels read
+- context bucket: 256, 1024, 4096, ... above the longest own context; the kernels read
   each row's true length from context_lens, the bucket only sizes their split plan;
 - prefix slot: every sequence of a graphed step shares one loaded prefix (or none),
   the common case of a job. Other steps run eagerly, computing the same function.
@@ -18,8 +18,12 @@ import torch
 from kernels.metadata import AttentionMetadata, PrefixGroup
 from relaycli.engine.sequence import Sequence
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-MIN_CONTEXT_BUCKET = 64
+# Coarse buckets on purpose: each new key costs a warm-up and two captures (about three
+# forward passes), so a job should meet few keys; padding rows cost far less.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MIN_CONTEXT_BUCKET = 256
+CONTEXT_BUCKET_GROWTH = 4
+MAX_GRAPHS = 48  # past this many keys a step runs eagerly rather than capture again
 
 
 class DecodeGraphs:
@@ -54,8 +58,11 @@ class DecodeGraphs:
         longest = max(s.num_own_tokens for s in seqs)
         ctx = MIN_CONTEXT_BUCKET
         while ctx < longest:
-            ctx *= 2
-        return bs, min(ctx, self.max_context), slot
+            ctx *= CONTEXT_BUCKET_GROWTH
+        key = bs, min(ctx, self.max_context), slot
+        if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            return None
+        return key
 
     def _fill(self, seqs: list[Sequence], bs: int, ctx: int) -> None:
         n = len(seqs)
