@@ -1,0 +1,225 @@
+"""`relay bench`: the typer sub-app (the only part of relaycli.bench that prints).
+
+    relay bench                 a short default of both (about a minute on CPU)
+    relay bench kernels [...]   decode attention: relay vs --no-relay vs per-request SDPA
+    relay bench e2e [...]       whole engine: relay vs --no-relay vs transformers generate
+
+Options left out take defaults that depend on the device (small on CPU).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+bench_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+                        help="Benchmarks: throughput (e2e) and attention kernels, with a roofline.")
+_err = Console(stderr=True)
+
+
+def _out() -> Console:
+    out = Console()
+    return out if out.is_terminal else Console(width=200)
+
+
+def default_e2e(cuda: bool, short: bool = False) -> dict:
+    """Defaults: a one-minute run on CPU; on CUDA the acceptance model at moderate size."""
+    if not cuda:
+        return dict(model="dummy:tiny", requests=16, system_tokens=[0, 512, 2048], max_batch=[16],
+                    max_output_len=128)
+    if short:
+        return dict(model="dummy:llama2-7b", requests=128, system_tokens=[2048, 8192], max_batch=[64],
+                    hf_requests=32, max_output_len=256)
+    return dict(model="dummy:llama2-7b", requests=256, system_tokens=[0, 2048, 8192], max_batch=[64],
+                hf_requests=64)
+
+
+def default_kernels(cuda: bool) -> dict:
+    """Kernel shapes: the H200 cases of docs/kernels.md on CUDA, seconds-long ones on CPU."""
+    if cuda:
+        return dict(model="dummy:llama2-7b", system_tokens=[2048, 8192, 16384], batch=[64, 256], own_tokens=128)
+    return dict(model="dummy:llama3-8b", system_tokens=[512, 2048], batch=[8, 32], own_tokens=64)
+
+
+def _ints(text: Optional[str], flag: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated whole numbers, e.g. 0,512,2048; got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} needs at least one value")
+    return values
+
+
+@contextmanager
+def _refusals(threads: Optional[int] = None):
+    """A bad option or model becomes one red line and exit status 2."""
+    try:
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"--threads must be at least 1, got {threads}")
+            import torch
+            torch.set_num_threads(threads)
+        yield
+    except ValueError as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
+def _is_cuda(device: Optional[str]) -> bool:
+    from models.registry import resolve_device
+    return resolve_device(device).type == "cuda"
+
+
+def _progress(quiet: bool):
+    return None if quiet else (lambda msg: _err.print(f"[dim]{msg}[/dim]", highlight=False, soft_wrap=True))
+
+
+def _check_outputs(json_path: Optional[Path], plot_path: Optional[Path]) -> None:
+    """Before a long run: the output folders exist and matplotlib is there for --plot."""
+    import importlib.util
+    for path in (json_path, plot_path):
+        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+            raise ValueError(f"the folder of {path} does not exist; create it first")
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or relay-batch[plot]); "
+                         "or write --json now and draw it later with `relay bench show FILE --plot PNG`")
+
+
+def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Path], quiet: bool) -> None:
+    from relaycli.bench.report import plot_throughput, write_json
+    if json_path is not None:
+        write_json(json_path, reports[0] if len(reports) == 1 else {"kind": "bench", "reports": reports})
+        if not quiet:
+            _err.print(f"[green]wrote[/green] {json_path}", highlight=False)
+    if plot_path is not None:
+        plot_throughput(reports, plot_path)
+        if not quiet:
+            _err.print(f"[green]wrote[/green] {plot_path}", highlight=False)
+
+
+def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,
+         hf_requests, kv_cache_gb, quiet, short=False) -> dict:
+    from relaycli.bench.e2e import E2EOptions, run_e2e
+    from relaycli.bench.report import e2e_table
+    given = dict(model=model, workload=workload, requests=requests, system_tokens=_ints(system_tokens, "--system-tokens"),
+                 max_batch=_ints(max_batch, "--max-batch"), max_output_len=max_output_len, hf_requests=hf_requests,
+                 systems=[s.strip() for s in systems.split(",") if s.strip()] if systems else None)
+    opts = {**default_e2e(_is_cuda(device), short), **{k: v for k, v in given.items() if v is not None}}
+    report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb),
+                     _progress(quiet))
+    _out().print(e2e_table(report))
+    return report
+
+
+def _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet) -> dict:
+    from relaycli.bench.kernels import KernelOptions, run_kernels
+    from relaycli.bench.report import kernels_table
+    given = dict(model=model, system_tokens=_ints(system_tokens, "--system-tokens"),
+                 batch=_ints(max_batch, "--max-batch"), own_tokens=context)
+    opts = {**default_kernels(_is_cuda(device)), **{k: v for k, v in given.items() if v is not None}}
+    report = run_kernels(KernelOptions(**opts, dtype=dtype, device=device, seed=seed), _progress(quiet))
+    _out().print(kernels_table(report))
+    return report
+
+
+_JSON = typer.Option(None, "--json", help="Write the results as JSON here.")
+_PLOT = typer.Option(None, "--plot", help="Write a PNG plot of throughput against system-prompt length here.")
+_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA.")
+_DEVICE = typer.Option(None, "--device", help="cpu | cuda | cuda:N; default: cuda when available.")
+_SEED = typer.Option(0, "--seed", help="Seed of the workload lengths, token ids and dummy weights.")
+_QUIET = typer.Option(False, "--quiet", help="Only the table.")
+_THREADS = typer.Option(None, "--threads", help="torch intra-op threads (CPU); default: torch's own choice.")
+_SYS = typer.Option(None, "--system-tokens", help="System-prompt lengths, comma-separated, e.g. 0,512,2048,8192,16384.")
+
+
+@bench_app.callback()
+def bench_main(ctx: typer.Context, json_path: Optional[Path] = _JSON, plot_path: Optional[Path] = _PLOT,
+               dtype: Optional[str] = _DTYPE, device: Optional[str] = _DEVICE, seed: int = _SEED,
+               threads: Optional[int] = _THREADS, quiet: bool = _QUIET) -> None:
+    """Without a subcommand: a short default of `kernels` then `e2e`."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with _refusals(threads):
+        _check_outputs(json_path, plot_path)
+        reports = [_kernels(None, None, None, None, dtype, device, seed, quiet),
+                   _e2e(None, "sharegpt", None, None, None, None, dtype, device, seed, None, None, None, quiet,
+                        short=True)]
+        _save(reports[::-1], json_path, plot_path, quiet)
+
+
+@bench_app.command("e2e")
+def e2e_cmd(
+    model: Optional[str] = typer.Option(None, "--model", help="dummy:PRESET, HF dir, .gguf, default; default: dummy:tiny on CPU, dummy:llama2-7b on CUDA."),
+    workload: str = typer.Option("sharegpt", "--workload", help="sharegpt | fixed-128-256 | fixed-256-512."),
+    requests: Optional[int] = typer.Option(None, "--requests", help="Requests a run (16 on CPU, 256 on CUDA)."),
+    system_tokens: Optional[str] = _SYS,
+    max_batch: Optional[str] = typer.Option(None, "--max-batch", help="Batch limits, comma-separated, e.g. 16,64,256."),
+    systems: Optional[str] = typer.Option(None, "--systems", help="Any of relay,no-relay,hf (default: all three)."),
+    dtype: Optional[str] = _DTYPE,
+    device: Optional[str] = _DEVICE,
+    seed: int = _SEED,
+    max_output_len: Optional[int] = typer.Option(None, "--max-output-len", help="Clip output lengths (default: 128 on CPU, none on CUDA)."),
+    hf_requests: Optional[int] = typer.Option(None, "--hf-requests", help="transformers answers only the first N requests (default: 64 on CUDA, all on CPU)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="The engine's paged KV cache size."),
+    json_path: Optional[Path] = _JSON,
+    plot_path: Optional[Path] = _PLOT,
+    threads: Optional[int] = _THREADS,
+    quiet: bool = _QUIET,
+) -> None:
+    """Throughput of relay, --no-relay and transformers' generate on one workload."""
+    with _refusals(threads):
+        _check_outputs(json_path, plot_path)
+        report = _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed,
+                      max_output_len, hf_requests, kv_cache_gb, quiet)
+        _save([report], json_path, plot_path, quiet)
+
+
+@bench_app.command("kernels")
+def kernels_cmd(
+    model: Optional[str] = typer.Option(None, "--model", help="dummy:PRESET whose head shapes to use (llama3-8b on CPU, llama2-7b on CUDA)."),
+    system_tokens: Optional[str] = _SYS,
+    max_batch: Optional[str] = typer.Option(None, "--max-batch", help="Batch sizes, comma-separated (8,32 on CPU; 64,256 on CUDA)."),
+    context: Optional[int] = typer.Option(None, "--context", help="Own keys per request (64 on CPU, 128 on CUDA)."),
+    dtype: Optional[str] = _DTYPE,
+    device: Optional[str] = _DEVICE,
+    seed: int = _SEED,
+    json_path: Optional[Path] = _JSON,
+    plot_path: Optional[Path] = _PLOT,
+    threads: Optional[int] = _THREADS,
+    quiet: bool = _QUIET,
+) -> None:
+    """Decode attention alone: relay vs the --no-relay baseline vs per-request SDPA."""
+    with _refusals(threads):
+        _check_outputs(json_path, plot_path)
+        report = _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet)
+        _save([report], json_path, plot_path, quiet)
+
+
+@bench_app.command("show")
+def show_cmd(
+    path: Path = typer.Argument(..., help="A JSON file written by relay bench --json."),
+    plot_path: Optional[Path] = _PLOT,
+) -> None:
+    """Print the tables of a saved run again (and draw its plot), e.g. one made on a GPU machine."""
+    import json
+
+    from relaycli.bench.report import e2e_table, kernels_table
+    with _refusals():
+        _check_outputs(None, plot_path)
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
+        reports = data.get("reports", [data]) if isinstance(data, dict) else []
+        if not reports or any(r.get("kind") not in ("e2e", "kernels") for r in reports):
+            raise ValueError(f"{path}: not a file written by relay bench --json")
+        for rep in reports:
+            _out().print(e2e_table(rep) if rep["kind"] == "e2e" else kernels_table(rep))
+        _save(reports, None, plot_path, False)

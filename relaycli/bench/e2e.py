@@ -1,0 +1,348 @@
+"""End-to-end throughput: relay, --no-relay (same engine) and transformers' `generate`.
+
+Every request is a random token sequence: the shared system prompt (S random ids, its
+KV prefilled once and loaded like a compiled artifact), then the request's own input
+ids, and it must generate exactly its output length (ignore_eos; transformers gets
+min_new_tokens = max_new_tokens). Nothing here prints; `progress` gets one line per run.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from models.registry import LoadedModel, load_model
+from relaycli.bench.report import e2e_line, machine_info
+from relaycli.bench.roofline import Ceilings, ModelShape, decode_context_sum, decode_step_floor, measure_ceilings
+from relaycli.bench.workloads import RequestShape, get_workload, length_summary, make_requests
+from relaycli.compile import prefill_kv
+from relaycli.config import EngineConfig
+from relaycli.engine.engine import Engine, EngineStats, TokenRequest
+from relaycli.engine.sequence import SamplingOptions
+
+SYSTEMS = ("relay", "no-relay", "hf")
+
+
+@dataclass
+class E2EOptions:
+    model: str | None = "dummy:tiny"
+    workload: str = "sharegpt"
+    requests: int = 16
+    system_tokens: list[int] = field(default_factory=lambda: [0, 512, 2048])
+    max_batch: list[int] = field(default_factory=lambda: [16])
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    dtype: str | None = None
+    device: str | None = None
+    seed: int = 0
+    max_output_len: int | None = None  # clip outputs further (quick runs)
+    hf_requests: int | None = None  # transformers answers only the first N (it is slow)
+    kv_cache_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        get_workload(self.workload)
+        if self.requests < 1:
+            raise ValueError(f"--requests must be at least 1, got {self.requests}")
+        if not self.system_tokens or any(s < 0 for s in self.system_tokens):
+            raise ValueError(f"--system-tokens must be non-negative counts, got {self.system_tokens}")
+        if not self.max_batch or any(b < 1 for b in self.max_batch):
+            raise ValueError(f"--max-batch values must be at least 1, got {self.max_batch}")
+        bad = [s for s in self.systems if s not in SYSTEMS]
+        if not self.systems or bad:
+            raise ValueError(f"unknown system {bad[0] if bad else ''!r}; choose from {', '.join(SYSTEMS)}")
+        if self.hf_requests is not None and self.hf_requests < 1:
+            raise ValueError(f"--hf-requests must be at least 1, got {self.hf_requests}")
+
+
+@dataclass
+class _Prefix:
+    """What Engine needs of a compiled artifact, for random system ids."""
+
+    name: str
+    system_text: str
+    token_ids: list[int]
+    keys: list
+    values: list
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()  # the runner and its CUDA graphs hold each other
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ttft(values: list[float]) -> dict:
+    s = sorted(values)
+    if not s:
+        return {"ttft_mean_s": None, "ttft_p50_s": None, "ttft_p90_s": None}
+    return {"ttft_mean_s": sum(s) / len(s), "ttft_p50_s": s[len(s) // 2],
+            "ttft_p90_s": s[min(len(s) - 1, int(0.9 * len(s)))]}
+
+
+def run_engine(lm: LoadedModel, prefix: _Prefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
+               max_batch: int, relay: bool, kv_cache_gb: float | None) -> dict:
+    """One measured run of the engine after a warm-up on the same engine: the first
+    max_batch requests with outputs cut to 128 tokens (4 on CPU), so kernel compilation
+    and most CUDA-graph captures are paid once a process, as in a long job."""
+    dev = lm.model.device
+    pre_ids = prefix.token_ids if prefix else []
+    slot = 0 if prefix else None
+
+    def requests(cap: int | None = None, count: int | None = None) -> list[TokenRequest]:
+        return [TokenRequest(i, str(i), pre_ids + own_ids[i],
+                             SamplingOptions(max_tokens=min(r.output_len, cap or r.output_len), ignore_eos=True),
+                             prefix_slot=slot) for i, r in enumerate(shapes[:count])]
+
+    engine = Engine(lm, [prefix] if prefix else [],
+                    EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb),
+                    record_token_ids=True)
+    warm = requests(128 if dev.type == "cuda" else 4, min(len(shapes), max_batch))
+    sum(1 for _ in engine.generate_tokens(warm))
+    engine.stats = EngineStats()
+    reqs = requests()
+    _sync(dev)
+    start = time.perf_counter()
+    results = list(engine.generate_tokens(reqs))
+    _sync(dev)
+    elapsed = time.perf_counter() - start
+    st = engine.stats
+    exact = len(results) == len(shapes) and all(
+        r.finish_reason == "length" and r.completion_tokens == shapes[r.row_index].output_len for r in results)
+    out = {"requests": len(results), "seconds": elapsed, "generated_tokens": st.completion_tokens,
+           "exact_lengths": exact, "errors": st.errors, "preemptions": st.preemptions,
+           "prefill_s": st.prefill_seconds, "decode_steps": st.decode_steps,
+           "decode_step_s": st.decode_seconds / st.decode_steps if st.decode_steps else None,
+           "decode_queries": sum(r.output_len - 1 for r in shapes),
+           "decode_context_sum": sum(decode_context_sum(r.input_len, r.output_len) for r in shapes),
+           "attention_impl": engine.runner.attention_impl,
+           "cuda_graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs else 0,
+           "_ids": engine.token_ids_by_row, **_ttft(st.ttft_seconds)}
+    del engine
+    _free(dev)
+    return out
+
+
+def hf_twin(lm: LoadedModel):
+    """A transformers Llama holding relay's own weight tensors (assigned, not copied);
+    None when the architecture has parts a plain Llama lacks (biases, q/k norms)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = lm.config
+    if c.qkv_bias or c.o_bias or c.qk_norm:
+        return None
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta} if c.rope_scaling is None else \
+        dict(c.rope_scaling, rope_theta=c.rope_theta)
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                      rope_parameters=rope, tie_word_embeddings=c.tie_word_embeddings, pad_token_id=0)
+    with torch.device(lm.model.device):
+        hf = LlamaForCausalLM._from_config(cfg, dtype=lm.model.dtype)
+    missing, unexpected = hf.load_state_dict(lm.model.state_dict(), strict=False, assign=True)
+    missing = [m for m in missing if "rotary" not in m and not (m == "lm_head.weight" and c.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"transformers twin: missing {missing}, unexpected {unexpected}")
+    if c.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    # No end-of-sequence token: like relay's ignore_eos, the argmax is kept even when it
+    # is EOS (min_new_tokens alone would mask EOS and change the greedy path).
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+class _StepClock:
+    """A logits processor that notes when each generation step's logits are ready."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_batch_limit(lm: LoadedModel, max_batch: int, tokens_per_request: int) -> int:
+    """The largest batch <= max_batch whose per-request KV copies fit in memory."""
+    shape = ModelShape.from_config(lm.config, lm.model.dtype.itemsize)
+    dev = lm.model.device
+    if dev.type == "cuda":
+        budget = 0.7 * torch.cuda.mem_get_info(dev)[0]
+    else:
+        import os
+        budget = 0.4 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(max_batch, int(budget // (shape.kv_bytes_per_token * tokens_per_request))))
+
+
+@torch.inference_mode()
+def run_hf(lm: LoadedModel, hf, prefix_ids: list[int], shapes: list[RequestShape], own_ids: list[list[int]],
+           batch: int) -> dict:
+    """Static batches of `batch` requests in order. The system prompt's KV is computed once
+    (untimed, like compile-prompt) and copied into each batch's cache; each row is the
+    system part, then masked left padding, then its own tokens, so the positions generate
+    derives from the mask are those of the unpadded prompt. A batch runs to its longest
+    output; only each request's own output length counts as generated."""
+    import inspect
+
+    from transformers import DynamicCache, LogitsProcessorList
+    # transformers 5.x renamed past_key_values to cache; take whichever this version has.
+    params = inspect.signature(type(hf).forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    dev = lm.model.device
+    s = len(prefix_ids)
+    cache = None
+    if s:
+        cache = DynamicCache()
+        hf(torch.tensor([prefix_ids], device=dev), use_cache=True, **last_only, **{kw: cache})
+    warm = torch.tensor([prefix_ids + own_ids[0][:4]], device=dev)
+    hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                pad_token_id=0, **{kw: copy.deepcopy(cache)})
+    ttft, steps, step_s, queries, ctx_sum, useful, computed, got = [], 0, 0.0, 0, 0, 0, 0, {}
+    _sync(dev)
+    start = time.perf_counter()
+    for lo in range(0, len(shapes), batch):
+        part = range(lo, min(lo + batch, len(shapes)))
+        width = max(shapes[i].input_len for i in part)
+        new = max(shapes[i].output_len for i in part)
+        ids = torch.tensor([prefix_ids + [0] * (width - shapes[i].input_len) + own_ids[i] for i in part], device=dev)
+        mask = torch.tensor([[1] * s + [0] * (width - shapes[i].input_len) + [1] * shapes[i].input_len
+                             for i in part], device=dev)
+        t0 = time.perf_counter()
+        past = None
+        if cache is not None:
+            past = copy.deepcopy(cache)
+            past.batch_repeat_interleave(len(part))
+        clock = _StepClock(dev)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          logits_processor=LogitsProcessorList([clock]), pad_token_id=0, **{kw: past})
+        if out.shape[1] - ids.shape[1] != new:
+            raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, asked for {new}")
+        for k, i in enumerate(part):
+            got[i] = out[k, ids.shape[1]:ids.shape[1] + shapes[i].output_len].tolist()
+        ttft += [clock.times[0] - t0] * len(part)
+        steps += new - 1
+        step_s += clock.times[-1] - clock.times[0]
+        queries += len(part) * (new - 1)
+        ctx_sum += len(part) * decode_context_sum(width, new)
+        useful += sum(shapes[i].output_len for i in part)
+        computed += len(part) * new
+        del past, out
+    _sync(dev)
+    elapsed = time.perf_counter() - start
+    return {"requests": len(shapes), "seconds": elapsed, "generated_tokens": useful, "computed_tokens": computed,
+            "exact_lengths": True, "hf_batch": batch, "decode_steps": steps,
+            "decode_step_s": step_s / steps if steps else None, "decode_queries": queries,
+            "decode_context_sum": ctx_sum, "_ids": got, **_ttft(ttft)}
+
+
+def _with_roofline(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings) -> dict:
+    row["requests_per_s"] = row["requests"] / row["seconds"]
+    row["tokens_per_s"] = row["generated_tokens"] / row["seconds"]
+    if row.get("decode_steps") and row.get("decode_queries"):
+        steps = row["decode_steps"]
+        f = decode_step_floor(shape, row["decode_queries"] / steps, system_tokens,
+                              row["decode_context_sum"] / steps, ceil)
+        row.update(mean_decode_batch=row["decode_queries"] / steps, floor_step_s=f.seconds, floor_bound=f.bound,
+                   floor_bytes=f.bytes, floor_flops=f.flops, floor_fraction=f.seconds / row["decode_step_s"])
+    return row
+
+
+def _prepare_model(opts: E2EOptions, need_context: int) -> tuple[LoadedModel, str | None]:
+    lm = load_model(opts.model, opts.dtype, opts.device, seed=opts.seed)
+    limit = lm.config.max_position_embeddings
+    if need_context <= limit:
+        return lm, None
+    if not lm.reference.startswith("dummy:"):
+        raise ValueError(f"system prompt + input + output need {need_context} positions, {lm.reference} has "
+                         f"{limit}; use fewer --system-tokens or a dummy model")
+    # Random weights: speed does not depend on where RoPE was trained; let long prompts run.
+    lm.config.max_position_embeddings = need_context
+    return lm, f"context raised from {limit} to {need_context} positions (random weights)"
+
+
+def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> dict:
+    say = progress or (lambda _msg: None)
+    spec = get_workload(opts.workload)
+    shapes = make_requests(spec, opts.requests, opts.seed, opts.max_output_len)
+    need = max(opts.system_tokens) + max(r.input_len + r.output_len for r in shapes)
+    lm, note = _prepare_model(opts, need)
+    dev = lm.model.device
+    say(f"model {lm.reference} ({str(lm.model.dtype).replace('torch.', '')}, {dev}); measuring ceilings")
+    ceil = measure_ceilings(dev, lm.model.dtype)
+    shape = ModelShape.from_config(lm.config, lm.model.dtype.itemsize)
+    rng = random.Random(opts.seed + 1)
+    vocab = lm.config.vocab_size
+    own_ids = [[rng.randrange(vocab) for _ in range(r.input_len)] for r in shapes]
+    rows = []
+    for s in opts.system_tokens:
+        ids = [rng.randrange(vocab) for _ in range(s)]
+        prefix = _Prefix("bench", "", ids, *prefill_kv(lm, ids)) if s else None
+        for b in opts.max_batch:
+            ids_by_system = {}
+            for system in opts.systems:
+                base = {"system": system, "system_tokens": s, "max_batch": b, "workload": spec.name}
+                if system == "hf":
+                    row = _hf_row(lm, ids, shapes[:opts.hf_requests], own_ids, b, s)
+                else:
+                    row = run_engine(lm, prefix, shapes, own_ids, b, system == "relay", opts.kv_cache_gb)
+                row = {**base, **row}
+                ids_by_system[system] = row.pop("_ids", None)
+                if "seconds" in row:
+                    _with_roofline(row, shape, s, ceil)
+                rows.append(row)
+                say(e2e_line(row))
+            _compare_tokens(rows[-len(opts.systems):], ids_by_system)
+        del prefix
+        _free(dev)
+    ref = {(r["system_tokens"], r["max_batch"]): r for r in rows if r["system"] == "no-relay" and "tokens_per_s" in r}
+    for r in rows:
+        base = ref.get((r["system_tokens"], r["max_batch"]))
+        if base and "tokens_per_s" in r:
+            r["speedup_vs_no_relay"] = r["tokens_per_s"] / base["tokens_per_s"]
+    return {"kind": "e2e", "machine": machine_info(dev), "model": lm.reference, "model_note": note,
+            "dtype": str(lm.model.dtype).replace("torch.", ""),
+            "ceilings": {"bandwidth_bytes_per_s": ceil.bandwidth, "matmul_flops_per_s": ceil.matmul_rate},
+            "workload": {**spec.describe(), "seed": opts.seed, "requests": opts.requests,
+                         "max_output_len": opts.max_output_len, "lengths": length_summary(shapes)},
+            "options": {k: v for k, v in opts.__dict__.items()}, "rows": rows}
+
+
+def _compare_tokens(rows: list[dict], ids_by_system: dict) -> None:
+    """How many requests generated the same ids as relay (greedy, same weights): a check
+    that every system computed the same thing; low-precision near-ties may flip a few."""
+    mine = ids_by_system.get("relay")
+    for r in rows:
+        theirs = ids_by_system.get(r["system"])
+        if mine and theirs and r["system"] != "relay":
+            r["same_tokens_as_relay"] = f"{sum(mine.get(i) == t for i, t in theirs.items())}/{len(theirs)}"
+
+
+def _hf_row(lm: LoadedModel, prefix_ids: list[int], shapes: list[RequestShape], own_ids: list[list[int]],
+            max_batch: int, s: int) -> dict:
+    hf = hf_twin(lm)
+    if hf is None:
+        return {"skipped": f"transformers twin not available for {lm.config.architecture} with biases/norms"}
+    batch = hf_batch_limit(lm, max_batch, s + max(r.input_len + r.output_len for r in shapes))
+    try:
+        while True:
+            try:
+                return run_hf(lm, hf, prefix_ids, shapes, own_ids, batch)
+            except torch.cuda.OutOfMemoryError:
+                _free(lm.model.device)
+                if batch == 1:
+                    return {"skipped": "transformers ran out of memory at batch 1"}
+                batch //= 2
+    finally:
+        del hf
+        _free(lm.model.device)

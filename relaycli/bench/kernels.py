@@ -1,0 +1,182 @@
+"""Decode attention alone: relay against the --no-relay baseline and per-request SDPA.
+
+One layer's decode step: B requests, one S-token system prefix shared by all, C own
+keys each in a paged cache (16-token pages, shuffled block table), random inputs.
+  relay     system step for the whole batch + paged context step + exact fusion
+  no-relay  one softmax per request over prefix + own keys (prefix read per request)
+  sdpa      torch's scaled_dot_product_attention per request on contiguous KV
+On CUDA with Triton the kernels are those of kernels/triton_ops.py, timed as CUDA-graph
+replays (median of triton's do_bench, L2 flushed); elsewhere the pure-PyTorch
+kernels/reference.py, timed by the median of repeated calls. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.backend import triton_available
+from kernels.metadata import AttentionMetadata, PrefixGroup
+from models.dummy import dummy_config
+from models.registry import resolve_device, resolve_dtype
+from relaycli.bench.report import machine_info
+from relaycli.bench.roofline import attention_floor, measure_ceilings
+
+KERNELS = ("relay", "no-relay", "sdpa")
+
+
+@dataclass
+class KernelOptions:
+    model: str = "dummy:llama2-7b"  # whose head shapes (dummy presets: no weights are made)
+    system_tokens: list[int] = field(default_factory=lambda: [512, 2048])
+    batch: list[int] = field(default_factory=lambda: [8, 32])
+    own_tokens: int = 64
+    dtype: str | None = None
+    device: str | None = None
+    seed: int = 0
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.model.startswith("dummy:"):
+            raise ValueError("relay bench kernels takes head shapes from a dummy preset, e.g. --model dummy:llama3-8b")
+        dummy_config(self.model.split(":", 1)[1])  # raises for an unknown preset
+        if not self.system_tokens or any(s < 0 for s in self.system_tokens):
+            raise ValueError(f"--system-tokens must be non-negative, got {self.system_tokens}")
+        if not self.batch or any(b < 1 for b in self.batch):
+            raise ValueError(f"--max-batch values must be at least 1, got {self.batch}")
+        if self.own_tokens < 1 or self.repeats < 1:
+            raise ValueError("--context and repeats must be at least 1")
+
+
+def build_step(hq: int, hkv: int, d: int, batch: int, system: int, own: int, dev, dtype, gen: torch.Generator,
+               page: int = 16):
+    """q [B, Hq, D], paged own KV with a shuffled block table, one shared prefix (or none)."""
+    per_seq = math.ceil(own / page)
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32).to(dev)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    k_cache, v_cache = rnd(batch * per_seq, page, hkv, d), rnd(batch * per_seq, page, hkv, d)
+    q = rnd(batch, hq, d)
+    last = own - 1
+    slots = tables[:, last // page].to(torch.int64) * page + last % page
+    prefixes = [(rnd(system, hkv, d), rnd(system, hkv, d))] if system else []
+    rows = torch.arange(batch, device=dev)
+    groups = [PrefixGroup(0, system, rows, rows)] if system else []
+    meta = AttentionMetadata(True, torch.arange(batch + 1, device=dev, dtype=torch.int32), 1,
+                             torch.full((batch,), own, device=dev, dtype=torch.int32), own, tables, slots, page,
+                             groups)
+    return q, k_cache, v_cache, prefixes, meta
+
+
+def _time_cpu(fn: Callable, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _time_cuda(fn: Callable, repeats: int) -> float:
+    """Seconds of fn replayed from a CUDA graph (eager if capture fails), median."""
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - an op that cannot be captured is timed eagerly
+        torch.cuda.synchronize()
+    try:
+        from triton.testing import do_bench
+        return do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-3
+    except ImportError:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        run()
+        start.record()
+        for _ in range(max(repeats, 20)):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e-3 / max(repeats, 20)
+
+
+def _sdpa(q, k_cache, v_cache, meta, prefixes, scale):
+    """Per-request attention on contiguous [B, Hkv, S+C, D] KV (built once, outside the timing)."""
+    own_k, own_v = reference.gather_context(k_cache, meta), reference.gather_context(v_cache, meta)
+    b = q.shape[0]
+    if prefixes:
+        k_sys, v_sys = prefixes[0]
+        own_k = torch.cat([k_sys[None].expand(b, -1, -1, -1), own_k], 1)
+        own_v = torch.cat([v_sys[None].expand(b, -1, -1, -1), own_v], 1)
+    k, v = own_k.transpose(1, 2).contiguous(), own_v.transpose(1, 2).contiguous()
+    qq = q[:, :, None, :]
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: F.scaled_dot_product_attention(qq, k, v, scale=scale, enable_gqa=gqa)[:, :, 0]
+
+
+def run_kernels(opts: KernelOptions, progress: Callable[[str], None] | None = None) -> dict:
+    say = progress or (lambda _msg: None)
+    dev = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, dev)
+    cfg = dummy_config(opts.model.split(":", 1)[1])
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    use_triton = triton_available(dev)
+    ops = __import__("kernels.triton_ops", fromlist=["x"]) if use_triton else reference
+    timer = (lambda fn: _time_cuda(fn, opts.repeats)) if dev.type == "cuda" else (lambda fn: _time_cpu(fn, opts.repeats))
+    say(f"heads of {opts.model}: Hq={hq} Hkv={hkv} D={d}; {dtype} on {dev} "
+        f"({'Triton' if use_triton else 'PyTorch reference'} kernels); measuring ceilings")
+    ceil = measure_ceilings(dev, dtype)
+    gen = torch.Generator().manual_seed(opts.seed)
+    scale = d ** -0.5
+    rows = []
+    elem = torch.empty((), dtype=dtype).element_size()
+    for s in opts.system_tokens:
+        for b in opts.batch:
+            q, kc, vc, pre, meta = build_step(hq, hkv, d, b, s, opts.own_tokens, dev, dtype, gen)
+            floor = attention_floor(hq, hkv, d, b, s, opts.own_tokens, elem, ceil)
+            fns = {"relay": lambda: ops.relay_attention(q, kc, vc, meta, pre, scale),
+                   "no-relay": lambda: ops.prefix_paged_attention(q, kc, vc, meta, pre, scale)}
+            sdpa_bytes = 2 * 2 * b * (s + opts.own_tokens) * hkv * d * elem
+            if _fits(dev, sdpa_bytes):
+                fns["sdpa"] = _sdpa(q, kc, vc, meta, pre, scale)
+            base_out = fns["no-relay"]().float()
+            times = {}
+            for name, fn in fns.items():
+                diff = ((fn().float() - base_out).norm() / base_out.norm().clamp_min(1e-30)).item()
+                times[name] = timer(fn)
+                rows.append({"system": name, "system_tokens": s, "batch": b, "own_tokens": opts.own_tokens,
+                             "time_us": 1e6 * times[name], "floor_us": 1e6 * floor.seconds, "bound": floor.bound,
+                             "floor_fraction": floor.seconds / times[name], "rel_diff_vs_no_relay": diff,
+                             "tokens_per_s": b / times[name]})
+            for r in rows[-len(fns):]:
+                r["speedup_vs_no_relay"] = times["no-relay"] * 1e6 / r["time_us"]
+            say(f"S={s:<6d} B={b:<4d} " + "  ".join(f"{k} {1e6 * t:9.1f} us" for k, t in times.items()))
+            del q, kc, vc, pre, meta, fns
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return {"kind": "kernels", "machine": machine_info(dev), "impl": "triton" if use_triton else "torch",
+            "heads": {"model": opts.model, "q_heads": hq, "kv_heads": hkv, "head_dim": d},
+            "dtype": str(dtype).replace("torch.", ""),
+            "ceilings": {"bandwidth_bytes_per_s": ceil.bandwidth, "matmul_flops_per_s": ceil.matmul_rate},
+            "options": dict(opts.__dict__), "rows": rows}
+
+
+def _fits(dev: torch.device, nbytes: int) -> bool:
+    """Contiguous per-request KV only when it takes under 40% of free memory (and 1 GiB on CPU)."""
+    if dev.type == "cuda":
+        return nbytes < 0.4 * torch.cuda.mem_get_info(dev)[0]
+    return nbytes < (1 << 30)
+

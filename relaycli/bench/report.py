@@ -1,0 +1,127 @@
+"""Benchmark output: rich tables, the JSON file, and the PNG plot (matplotlib, Agg).
+
+Builds objects and writes files; printing them is the CLI's business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rich.table import Table
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ceilings(report: dict) -> str:
+    c = report["ceilings"]
+    return (f"copy {c['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read+write), "
+            f"matmul {c['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({report['dtype']})")
+
+
+def e2e_table(report: dict) -> Table:
+    wl = report["workload"]
+    title = (f"relay bench e2e: {report['model']} {report['dtype']} on {report['machine'].get('gpu', 'cpu')}; "
+             f"{wl['name']} x {wl['requests']} (seed {wl['seed']}); {_ceilings(report)}")
+    t = Table(title=title, title_justify="left")
+    for col in ("system", "S", "max batch", "req/s", "tok/s", "x no-relay", "TTFT p50 (s)", "TTFT p90 (s)",
+                "step (ms)", "floor (ms)", "% floor", "exact", "same ids"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in report["rows"]:
+        if "skipped" in r:
+            t.add_row(r["system"], str(r["system_tokens"]), str(r["max_batch"]), f"skipped: {r['skipped']}")
+            continue
+        step, floor = r.get("decode_step_s"), r.get("floor_step_s")
+        t.add_row(r["system"] + (f" (B={r['hf_batch']})" if "hf_batch" in r and r["hf_batch"] != r["max_batch"] else ""),
+                  str(r["system_tokens"]), str(r["max_batch"]), f"{r['requests_per_s']:.2f}",
+                  f"{r['tokens_per_s']:.1f}", _fmt(r.get("speedup_vs_no_relay"), ".2f"),
+                  _fmt(r.get("ttft_p50_s"), ".3f"), _fmt(r.get("ttft_p90_s"), ".3f"),
+                  _fmt(step and 1e3 * step, ".2f"), _fmt(floor and 1e3 * floor, ".3f"),
+                  _fmt(r.get("floor_fraction") and 100 * r["floor_fraction"], ".1f"),
+                  "yes" if r.get("exact_lengths") else "NO", r.get("same_tokens_as_relay", "-"))
+    return t
+
+
+def kernels_table(report: dict) -> Table:
+    h = report["heads"]
+    title = (f"relay bench kernels ({report['impl']}): Hq={h['q_heads']} Hkv={h['kv_heads']} D={h['head_dim']} "
+             f"{report['dtype']} on {report['machine'].get('gpu', 'cpu')}; {_ceilings(report)}")
+    t = Table(title=title, title_justify="left")
+    for col in ("kernel", "S", "batch", "own", "time (us)", "floor (us)", "bound", "% floor", "x no-relay",
+                "rel diff"):
+        t.add_column(col, justify="left" if col in ("kernel", "bound") else "right")
+    for r in report["rows"]:
+        t.add_row(r["system"], str(r["system_tokens"]), str(r["batch"]), str(r["own_tokens"]),
+                  f"{r['time_us']:.1f}", f"{r['floor_us']:.2f}", r["bound"], f"{100 * r['floor_fraction']:.1f}",
+                  f"{r['speedup_vs_no_relay']:.2f}", f"{r['rel_diff_vs_no_relay']:.1e}")
+    return t
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Atomically: a temporary file next to it, then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_throughput(reports: list[dict], path: Path) -> None:
+    """Generated tokens/s against system-prompt length, one line per system (and batch
+    limit when several); e2e and kernel reports side by side when both are given."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(6.5 * len(reports), 4.5), squeeze=False)
+    for ax, rep in zip(axes[0], reports):
+        batch_key = "max_batch" if rep["kind"] == "e2e" else "batch"
+        rows = [r for r in rep["rows"] if "tokens_per_s" in r]
+        several = len({r[batch_key] for r in rows}) > 1
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            label = r["system"] + (f" B={r[batch_key]}" if several else "")
+            series.setdefault(label, []).append((r["system_tokens"], r["tokens_per_s"]))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("symlog", linthresh=256)
+        ax.set_xlabel("system prompt (tokens)")
+        if rep["kind"] == "e2e":
+            ax.set_ylabel("generated tokens / s")
+            ax.set_title(f"{rep['model']} {rep['dtype']}, {rep['workload']['name']} x {rep['workload']['requests']}",
+                         fontsize=9)
+        else:
+            ax.set_ylabel("decode queries / s (one layer's attention)")
+            h = rep["heads"]
+            ax.set_title(f"attention ({rep['impl']}) Hq={h['q_heads']} Hkv={h['kv_heads']} D={h['head_dim']} "
+                         f"{rep['dtype']}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"relay bench on {reports[0]['machine'].get('gpu', 'cpu')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def e2e_line(row: dict) -> str:
+    """One progress line of an e2e run."""
+    head = f"{row['system']:8s} S={row['system_tokens']:<6d} B={row['max_batch']:<4d}"
+    if "skipped" in row:
+        return f"{head} skipped: {row['skipped']}"
+    step = row.get("decode_step_s")
+    return (f"{head} {row['tokens_per_s']:9.1f} tok/s {row['requests_per_s']:7.2f} req/s "
+            f"step {1e3 * step if step else float('nan'):7.2f} ms  exact={row['exact_lengths']}")
+
+
+def machine_info(device) -> dict:
+    import platform
+
+    import torch
+    info = {"device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

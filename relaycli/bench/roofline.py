@@ -1,0 +1,154 @@
+"""The roofline model of a decode step, and the two ceilings it is held against.
+
+A decode step of a batch of B requests that share one S-token system prompt, whose own
+contexts hold C_1..C_B tokens (this step's token included), must at least
+
+    read   W                    the weights (every linear layer, lm_head, the norms)
+         + kv * S               the system prompt's KV, once for the whole batch
+         + kv * sum(C_i)        each request's own KV
+    do     2 * P * B            the matrix products of the weights (P their parameters)
+         + 4 * L * Hq * D * (B * S + sum(C_i))    attention, q.k and p.v
+
+with kv = 2 * L * Hkv * D * dtype_bytes per token. Its floor is
+max(bytes / bandwidth, flops / matmul rate): no step can be faster. Bandwidth is
+measured as a large device copy, counting bytes read plus bytes written, and the rate
+as a large matrix product in the run dtype, both in the same run as the benchmark.
+The fraction of the floor a system reaches is floor / its measured step time.
+Everything but `measure_ceilings` is plain arithmetic (tested by hand).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError("q_heads must be a multiple of kv_heads")
+
+    @classmethod
+    def from_config(cls, cfg, dtype_bytes: int) -> "ModelShape":
+        """From a models.config.ModelConfig (or anything with its field names)."""
+        return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, dtype_bytes)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters of the matrix products of one token: q, k, v, o, gate, up, down, lm_head."""
+        q = self.q_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        per_layer = self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 3 * self.hidden * self.intermediate
+        return self.layers * per_layer + self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a step reads of the weights: matmul weights and norm weights (the
+        embedding table itself only gives B rows, negligible, unless tied = lm_head)."""
+        norms = (2 * self.layers + 1) * self.hidden
+        return (self.matmul_params + norms) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth: float  # bytes/s, read + write of a large copy
+    matmul_rate: float  # flop/s of a large matrix product in the run dtype
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.matmul_rate <= 0:
+            raise ValueError("ceilings must be positive")
+
+
+@dataclass(frozen=True)
+class Floor:
+    bytes: float
+    flops: float
+    seconds: float
+    bound: str  # "bytes" or "flops"
+
+
+def floor_of(nbytes: float, flops: float, ceil: Ceilings) -> Floor:
+    t_bytes, t_flops = nbytes / ceil.bandwidth, flops / ceil.matmul_rate
+    return Floor(nbytes, flops, max(t_bytes, t_flops), "bytes" if t_bytes >= t_flops else "flops")
+
+
+def decode_step_floor(shape: ModelShape, batch: float, system_tokens: int, context_tokens: float,
+                      ceil: Ceilings, system_once: bool = True) -> Floor:
+    """Floor of one decode step. batch: requests in the step; context_tokens: the sum of
+    their own context lengths. Both may be means over a run's steps (cost is linear).
+    system_once=False counts the system KV once per request (what --no-relay reads)."""
+    if batch <= 0 or system_tokens < 0 or context_tokens < 0:
+        raise ValueError("batch must be positive, token counts non-negative")
+    sys_reads = 1 if system_once else batch
+    nbytes = shape.weight_bytes + shape.kv_bytes_per_token * (sys_reads * system_tokens + context_tokens)
+    attn = 4 * shape.layers * shape.q_heads * shape.head_dim * (batch * system_tokens + context_tokens)
+    return floor_of(nbytes, 2 * shape.matmul_params * batch + attn, ceil)
+
+
+def attention_floor(q_heads: int, kv_heads: int, head_dim: int, batch: int, system_tokens: int,
+                    own_tokens: int, dtype_bytes: int, ceil: Ceilings) -> Floor:
+    """Floor of one layer's decode attention: system KV once, own KV, q in and o out."""
+    kv = 2 * kv_heads * head_dim * dtype_bytes
+    nbytes = kv * (system_tokens + batch * own_tokens) + 2 * batch * q_heads * head_dim * dtype_bytes
+    return floor_of(nbytes, 4 * batch * q_heads * head_dim * (system_tokens + own_tokens), ceil)
+
+
+def decode_context_sum(input_len: int, output_len: int) -> int:
+    """Sum over a request's decode steps of its own context length: the first token comes
+    from prefill, decode step j (1..output_len-1) attends input_len + j own tokens."""
+    steps = output_len - 1
+    return steps * input_len + steps * (steps + 1) // 2
+
+
+def measure_ceilings(device, dtype, copy_bytes: int | None = None, matmul_n: int | None = None,
+                     repeats: int = 5) -> Ceilings:
+    """Best of `repeats`: a device copy (GiB-scale on CUDA) and an n^3 matrix product."""
+    import torch
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    copy_bytes = copy_bytes or (1 << 30 if cuda else 1 << 28)
+    matmul_n = matmul_n or (8192 if cuda else 1024)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    src = torch.ones(copy_bytes // elem, dtype=dtype, device=dev)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * elem / best(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(matmul_n, matmul_n, device=dev).to(dtype)
+    b = torch.randn(matmul_n, matmul_n, device=dev).to(dtype)
+    rate = 2 * matmul_n ** 3 / best(lambda: a @ b)
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return Ceilings(bandwidth, rate)

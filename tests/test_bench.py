@@ -1,0 +1,166 @@
+"""`relay bench`: workload lengths, the roofline arithmetic, and tiny runs through the CLI."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+from relaycli.bench.roofline import (Ceilings, ModelShape, attention_floor, decode_context_sum, decode_step_floor,
+                                     floor_of)
+from relaycli.bench.workloads import WORKLOADS, LengthDist, RequestShape, get_workload, make_requests
+from relaycli.cli import app
+
+# ---- workloads ----------------------------------------------------------------------
+
+
+def test_workload_is_deterministic_per_seed():
+    spec = get_workload("sharegpt")
+    a, b = make_requests(spec, 200, seed=7), make_requests(spec, 200, seed=7)
+    assert a == b
+    assert make_requests(spec, 200, seed=8) != a
+    # The first requests do not depend on how many are drawn.
+    assert make_requests(spec, 50, seed=7) == a[:50]
+    # Pinned values: the generator (Python's random.Random) must not drift silently.
+    assert [(r.input_len, r.output_len) for r in make_requests(spec, 3, seed=0)] == [(107, 164), (257, 148), (526, 47)]
+
+
+def test_sharegpt_length_statistics():
+    reqs = make_requests(get_workload("sharegpt"), 4000, seed=0)
+    ins, outs = [r.input_len for r in reqs], [r.output_len for r in reqs]
+    assert 115 <= statistics.median(ins) <= 141  # median 128 +- 10%
+    assert 144 <= statistics.median(outs) <= 176  # median 160 +- 10%
+    assert min(ins) >= 4 and max(ins) <= 1024 and min(outs) >= 4 and max(outs) <= 1024
+    assert max(ins) == 1024  # sigma 1.0: the clip is reached in 4000 draws
+    # log-normal: mean above median by about exp(sigma^2 / 2) before clipping
+    assert statistics.mean(ins) > 1.3 * statistics.median(ins)
+
+
+def test_fixed_workloads_and_output_clip():
+    for name, (i, o) in (("fixed-128-256", (128, 256)), ("fixed-256-512", (256, 512))):
+        assert set(make_requests(WORKLOADS[name], 10, seed=3)) == {RequestShape(i, o)}
+    full = make_requests(get_workload("sharegpt"), 100, seed=1)
+    clipped = make_requests(get_workload("sharegpt"), 100, seed=1, max_output_len=32)
+    assert [r.input_len for r in clipped] == [r.input_len for r in full]
+    assert [r.output_len for r in clipped] == [min(32, r.output_len) for r in full]
+
+
+def test_workload_validation():
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_workload("sharegtp")
+    with pytest.raises(ValueError):
+        LengthDist(10, -1.0)
+    with pytest.raises(ValueError):
+        LengthDist(10, 1.0, low=20)
+    with pytest.raises(ValueError):
+        make_requests(get_workload("sharegpt"), 0, seed=0)
+
+
+# ---- roofline -----------------------------------------------------------------------
+# 2 layers, hidden 8, Hq 2, Hkv 1, D 4, intermediate 16, vocab 10, 2-byte weights:
+#   per layer q 8*8 + k,v 2*8*4 + o 8*8 + mlp 3*8*16 = 64 + 64 + 64 + 384 = 576
+#   matmul params 2*576 + lm_head 10*8 = 1232; norms (2*2+1)*8 = 40
+#   weight bytes (1232 + 40) * 2 = 2544; KV bytes a token 2*2*1*4*2 = 32
+SHAPE = ModelShape(layers=2, hidden=8, intermediate=16, q_heads=2, kv_heads=1, head_dim=4, vocab=10, dtype_bytes=2)
+
+
+def test_model_shape_by_hand():
+    assert SHAPE.matmul_params == 1232
+    assert SHAPE.weight_bytes == 2544
+    assert SHAPE.kv_bytes_per_token == 32
+
+
+def test_decode_step_floor_by_hand():
+    ceil = Ceilings(bandwidth=1000.0, matmul_rate=1000.0)
+    # batch 3, system 10 tokens, own contexts summing to 15
+    f = decode_step_floor(SHAPE, 3, 10, 15, ceil)
+    assert f.bytes == 2544 + 32 * 10 + 32 * 15 == 3344
+    assert f.flops == 2 * 1232 * 3 + 4 * 2 * 2 * 4 * (3 * 10 + 15) == 10272
+    assert f.seconds == pytest.approx(10.272) and f.bound == "flops"
+    # The same step if the system KV is read once per request (--no-relay's traffic).
+    g = decode_step_floor(SHAPE, 3, 10, 15, ceil, system_once=False)
+    assert g.bytes == 2544 + 32 * 30 + 32 * 15 == 3984 and g.flops == f.flops
+    # Bytes-bound when the matmul rate is high.
+    h = decode_step_floor(SHAPE, 3, 10, 15, Ceilings(1000.0, 1e9))
+    assert h.bound == "bytes" and h.seconds == pytest.approx(3.344)
+
+
+def test_attention_floor_and_context_sum_by_hand():
+    ceil = Ceilings(bandwidth=100.0, matmul_rate=1e6)
+    # Hq 4, Hkv 2, D 8, batch 2, system 16, own 3, 2 bytes:
+    # KV 2*2*8*2 = 64 B a token: 64 * (16 + 2*3) = 1408; q and o 2*2*4*8*2 = 256
+    f = attention_floor(4, 2, 8, 2, 16, 3, 2, ceil)
+    assert f.bytes == 1664 and f.flops == 4 * 2 * 4 * 8 * 19 == 4864
+    assert f.seconds == pytest.approx(16.64) and f.bound == "bytes"
+    assert decode_context_sum(5, 4) == 6 + 7 + 8
+    assert decode_context_sum(5, 1) == 0
+    assert floor_of(10, 10, Ceilings(5, 2)).bound == "flops"
+
+
+def test_roofline_validation():
+    with pytest.raises(ValueError):
+        ModelShape(2, 8, 16, 3, 2, 4, 10, 2)  # 3 q heads over 2 KV heads
+    with pytest.raises(ValueError):
+        Ceilings(0.0, 1.0)
+    with pytest.raises(ValueError):
+        decode_step_floor(SHAPE, 0, 10, 15, Ceilings(1.0, 1.0))
+
+
+# ---- the CLI ------------------------------------------------------------------------
+
+
+def test_bench_e2e_tiny_all_systems(tmp_path):
+    out_json, out_png = tmp_path / "e2e.json", tmp_path / "e2e.png"
+    res = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--workload", "fixed-128-256",
+                                   "--requests", "4", "--system-tokens", "0,64", "--max-batch", "4",
+                                   "--systems", "relay,no-relay,hf", "--max-output-len", "12", "--device", "cpu",
+                                   "--json", str(out_json), "--plot", str(out_png), "--quiet"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out_json.read_text())
+    rows = report["rows"]
+    assert {(r["system"], r["system_tokens"]) for r in rows} == \
+        {(s, n) for s in ("relay", "no-relay", "hf") for n in (0, 64)}
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["requests"] == 4
+        assert r["generated_tokens"] == 4 * 12, r  # requests * max_tokens, exactly
+        assert r["tokens_per_s"] > 0 and r["ttft_p50_s"] is not None
+        assert 0 < r["floor_fraction"] <= 1.0 and r["decode_steps"] > 0
+        if r["system"] != "hf":
+            assert r["exact_lengths"] and r["errors"] == 0
+            assert r["decode_queries"] == 4 * 11
+        if r["system"] != "relay":  # fp32 greedy on the same weights: the same ids, all three ways
+            assert r["same_tokens_as_relay"] == "4/4", r
+    assert report["workload"]["name"] == "fixed-128-256" and report["ceilings"]["bandwidth_bytes_per_s"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "relay" in res.stdout and "no-relay" in res.stdout  # the table
+    # A run saved on one machine is shown and drawn on another.
+    again = tmp_path / "again.png"
+    res = CliRunner().invoke(app, ["bench", "show", str(out_json), "--plot", str(again)])
+    assert res.exit_code == 0, res.output
+    assert "no-relay" in res.stdout and again.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_kernels_tiny(tmp_path):
+    out_json = tmp_path / "k.json"
+    res = CliRunner().invoke(app, ["bench", "kernels", "--model", "dummy:tiny", "--system-tokens", "0,48",
+                                   "--max-batch", "3", "--context", "20", "--device", "cpu", "--json",
+                                   str(out_json), "--quiet"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["system"], r["system_tokens"]) for r in rows} == \
+        {(k, s) for k in ("relay", "no-relay", "sdpa") for s in (0, 48)}
+    for r in rows:
+        assert r["rel_diff_vs_no_relay"] < 1e-5, r  # the same attention, three ways
+        assert r["time_us"] > 0 and r["floor_us"] > 0
+
+
+def test_bench_refuses_bad_options():
+    res = CliRunner().invoke(app, ["bench", "e2e", "--system-tokens", "0,abc", "--device", "cpu"])
+    assert res.exit_code == 2 and "--system-tokens" in res.output
+    res = CliRunner().invoke(app, ["bench", "e2e", "--systems", "relay,vllm", "--device", "cpu"])
+    assert res.exit_code == 2 and "vllm" in res.output
+    res = CliRunner().invoke(app, ["bench", "kernels", "--json", "/nonexistent-dir/k.json", "--device", "cpu"])
+    assert res.exit_code == 2 and "does not exist" in res.output
