@@ -164,3 +164,19 @@ def test_bench_refuses_bad_options():
     assert res.exit_code == 2 and "vllm" in res.output
     res = CliRunner().invoke(app, ["bench", "kernels", "--json", "/nonexistent-dir/k.json", "--device", "cpu"])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_merge_reports_joins_split_runs():
+    from relaycli.bench.report import merge_reports
+
+    def rep(rows):
+        return {"kind": "e2e", "model": "dummy:llama2-7b", "dtype": "bfloat16", "rows": rows,
+                "workload": {"name": "sharegpt", "requests": 1000, "seed": 0, "max_output_len": None}}
+
+    a = rep([{"system": "relay", "system_tokens": 8192, "max_batch": 64, "tokens_per_s": 300.0}])
+    b = rep([{"system": "no-relay", "system_tokens": 8192, "max_batch": 64, "tokens_per_s": 100.0}])
+    k = {"kind": "kernels", "rows": []}
+    merged = merge_reports([a, k, b])
+    assert [m["kind"] for m in merged] == ["e2e", "kernels"]
+    assert [r["system"] for r in merged[0]["rows"]] == ["relay", "no-relay"]
+    assert merged[0]["rows"][0]["speedup_vs_no_relay"] == pytest.approx(3.0)

@@ -108,7 +108,8 @@ def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, de
          hf_requests, kv_cache_gb, quiet, short=False) -> dict:
     from relaycli.bench.e2e import E2EOptions, run_e2e
     from relaycli.bench.report import e2e_table
-    given = dict(model=model, workload=workload, requests=requests, system_tokens=_ints(system_tokens, "--system-tokens"),
+    given = dict(model=model, workload=workload, requests=requests,
+                 system_tokens=_ints(system_tokens, "--system-tokens"),
                  max_batch=_ints(max_batch, "--max-batch"), max_output_len=max_output_len, hf_requests=hf_requests,
                  systems=[s.strip() for s in systems.split(",") if s.strip()] if systems else None)
     opts = {**default_e2e(_is_cuda(device), short), **{k: v for k, v in given.items() if v is not None}}
@@ -204,22 +205,28 @@ def kernels_cmd(
 
 @bench_app.command("show")
 def show_cmd(
-    path: Path = typer.Argument(..., help="A JSON file written by relay bench --json."),
+    paths: list[Path] = typer.Argument(..., help="JSON files written by relay bench --json."),
     plot_path: Optional[Path] = _PLOT,
+    json_path: Optional[Path] = _JSON,
 ) -> None:
-    """Print the tables of a saved run again (and draw its plot), e.g. one made on a GPU machine."""
+    """Print saved runs again, e.g. ones made on a GPU machine; e2e runs of one model,
+    dtype and workload are joined (rows of several --system-tokens runs make one line)."""
     import json
 
-    from relaycli.bench.report import e2e_table, kernels_table
+    from relaycli.bench.report import e2e_table, kernels_table, merge_reports
     with _refusals():
-        _check_outputs(None, plot_path)
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
-        reports = data.get("reports", [data]) if isinstance(data, dict) else []
-        if not reports or any(r.get("kind") not in ("e2e", "kernels") for r in reports):
-            raise ValueError(f"{path}: not a file written by relay bench --json")
+        _check_outputs(json_path, plot_path)
+        reports = []
+        for path in paths:
+            try:
+                data = json.loads(Path(path).read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
+            found = data.get("reports", [data]) if isinstance(data, dict) else []
+            if not found or any(not isinstance(r, dict) or r.get("kind") not in ("e2e", "kernels") for r in found):
+                raise ValueError(f"{path}: not a file written by relay bench --json")
+            reports += found
+        reports = merge_reports(reports)
         for rep in reports:
             _out().print(e2e_table(rep) if rep["kind"] == "e2e" else kernels_table(rep))
-        _save(reports, None, plot_path, False)
+        _save(reports, json_path, plot_path, False)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from models.registry import LoadedModel, load_model
-from relaycli.bench.report import e2e_line, machine_info
+from relaycli.bench.report import add_speedups, e2e_line, machine_info
 from relaycli.bench.roofline import Ceilings, ModelShape, decode_context_sum, decode_step_floor, measure_ceilings
 from relaycli.bench.workloads import RequestShape, get_workload, length_summary, make_requests
 from relaycli.compile import prefill_kv
@@ -305,11 +305,7 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
             _compare_tokens(rows[-len(opts.systems):], ids_by_system)
         del prefix
         _free(dev)
-    ref = {(r["system_tokens"], r["max_batch"]): r for r in rows if r["system"] == "no-relay" and "tokens_per_s" in r}
-    for r in rows:
-        base = ref.get((r["system_tokens"], r["max_batch"]))
-        if base and "tokens_per_s" in r:
-            r["speedup_vs_no_relay"] = r["tokens_per_s"] / base["tokens_per_s"]
+    add_speedups(rows)
     return {"kind": "e2e", "machine": machine_info(dev), "model": lm.reference, "model_note": note,
             "dtype": str(lm.model.dtype).replace("torch.", ""),
             "ceilings": {"bandwidth_bytes_per_s": ceil.bandwidth, "matmul_flops_per_s": ceil.matmul_rate},

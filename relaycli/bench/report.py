@@ -35,7 +35,8 @@ def e2e_table(report: dict) -> Table:
             t.add_row(r["system"], str(r["system_tokens"]), str(r["max_batch"]), f"skipped: {r['skipped']}")
             continue
         step, floor = r.get("decode_step_s"), r.get("floor_step_s")
-        t.add_row(r["system"] + (f" (B={r['hf_batch']})" if "hf_batch" in r and r["hf_batch"] != r["max_batch"] else ""),
+        capped = "hf_batch" in r and r["hf_batch"] != r["max_batch"]
+        t.add_row(r["system"] + (f" (B={r['hf_batch']})" if capped else ""),
                   str(r["system_tokens"]), str(r["max_batch"]), f"{r['requests_per_s']:.2f}",
                   f"{r['tokens_per_s']:.1f}", _fmt(r.get("speedup_vs_no_relay"), ".2f"),
                   _fmt(r.get("ttft_p50_s"), ".3f"), _fmt(r.get("ttft_p90_s"), ".3f"),
@@ -58,6 +59,35 @@ def kernels_table(report: dict) -> Table:
                   f"{r['time_us']:.1f}", f"{r['floor_us']:.2f}", r["bound"], f"{100 * r['floor_fraction']:.1f}",
                   f"{r['speedup_vs_no_relay']:.2f}", f"{r['rel_diff_vs_no_relay']:.1e}")
     return t
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_no_relay: tokens/s over those of --no-relay at the same S and batch limit."""
+    ref = {(r["system_tokens"], r["max_batch"]): r for r in rows if r["system"] == "no-relay" and "tokens_per_s" in r}
+    for r in rows:
+        base = ref.get((r["system_tokens"], r["max_batch"]))
+        if base and "tokens_per_s" in r:
+            r["speedup_vs_no_relay"] = r["tokens_per_s"] / base["tokens_per_s"]
+
+
+def merge_reports(reports: list[dict]) -> list[dict]:
+    """Join e2e reports of one model, dtype and workload (runs split to fit a time limit)
+    into one, rows in order; other reports stay as they are."""
+    out: list[dict] = []
+    by_key: dict[tuple, dict] = {}
+    for rep in reports:
+        if rep["kind"] != "e2e":
+            out.append(rep)
+            continue
+        wl = rep["workload"]
+        key = (rep["model"], rep["dtype"], wl["name"], wl["requests"], wl["seed"], wl.get("max_output_len"))
+        if key in by_key:
+            by_key[key]["rows"] = by_key[key]["rows"] + rep["rows"]
+            add_speedups(by_key[key]["rows"])
+        else:
+            by_key[key] = dict(rep)
+            out.append(by_key[key])
+    return out
 
 
 def write_json(path: Path, payload: dict) -> None:
