@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from relaycli.bench.roofline import (Ceilings, ModelShape, attention_floor, decode_context_sum, decode_step_floor,
-                                     floor_of)
+                                     floor_of, price_decode)
 from relaycli.bench.workloads import WORKLOADS, LengthDist, RequestShape, get_workload, make_requests
 from relaycli.cli import app
 
@@ -85,6 +85,17 @@ def test_decode_step_floor_by_hand():
     # Bytes-bound when the matmul rate is high.
     h = decode_step_floor(SHAPE, 3, 10, 15, Ceilings(1000.0, 1e9))
     assert h.bound == "bytes" and h.seconds == pytest.approx(3.344)
+
+
+def test_price_decode_uses_the_mean_step():
+    # Two decode steps with 6 queries and own contexts summing to 30: the mean step is the
+    # hand case above (batch 3, context 15), floor 10.272 s, against 20.544 s measured.
+    row = {"requests": 3, "seconds": 50.0, "generated_tokens": 9, "decode_steps": 2, "decode_queries": 6,
+           "decode_context_sum": 30, "decode_step_s": 20.544}
+    price_decode(row, SHAPE, 10, Ceilings(1000.0, 1000.0))
+    assert row["mean_decode_batch"] == 3 and row["floor_bound"] == "flops"
+    assert row["floor_step_s"] == pytest.approx(10.272) and row["floor_fraction"] == pytest.approx(0.5)
+    assert row["tokens_per_s"] == pytest.approx(0.18) and row["requests_per_s"] == pytest.approx(0.06)
 
 
 def test_attention_floor_and_context_sum_by_hand():

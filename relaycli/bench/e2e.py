@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from models.registry import LoadedModel, load_model
-from relaycli.bench.report import add_speedups, e2e_line, machine_info
-from relaycli.bench.roofline import Ceilings, ModelShape, decode_context_sum, decode_step_floor, measure_ceilings
+from relaycli.bench.report import add_speedups, compare_tokens, e2e_line, machine_info, ttft_stats
+from relaycli.bench.roofline import ModelShape, decode_context_sum, measure_ceilings, price_decode
 from relaycli.bench.workloads import RequestShape, get_workload, length_summary, make_requests
 from relaycli.compile import prefill_kv
 from relaycli.config import EngineConfig
@@ -81,14 +81,6 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _ttft(values: list[float]) -> dict:
-    s = sorted(values)
-    if not s:
-        return {"ttft_mean_s": None, "ttft_p50_s": None, "ttft_p90_s": None}
-    return {"ttft_mean_s": sum(s) / len(s), "ttft_p50_s": s[len(s) // 2],
-            "ttft_p90_s": s[min(len(s) - 1, int(0.9 * len(s)))]}
-
-
 def run_engine(lm: LoadedModel, prefix: _Prefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
                max_batch: int, relay: bool, kv_cache_gb: float | None) -> dict:
     """One measured run of the engine after a warm-up on the same engine: the first
@@ -126,7 +118,7 @@ def run_engine(lm: LoadedModel, prefix: _Prefix | None, shapes: list[RequestShap
            "decode_context_sum": sum(decode_context_sum(r.input_len, r.output_len) for r in shapes),
            "attention_impl": engine.runner.attention_impl,
            "cuda_graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs else 0,
-           "_ids": engine.token_ids_by_row, **_ttft(st.ttft_seconds)}
+           "_ids": engine.token_ids_by_row, **ttft_stats(st.ttft_seconds)}
     del engine
     _free(dev)
     return out
@@ -243,19 +235,7 @@ def run_hf(lm: LoadedModel, hf, prefix_ids: list[int], shapes: list[RequestShape
     return {"requests": len(shapes), "seconds": elapsed, "generated_tokens": useful, "computed_tokens": computed,
             "exact_lengths": True, "hf_batch": batch, "decode_steps": steps,
             "decode_step_s": step_s / steps if steps else None, "decode_queries": queries,
-            "decode_context_sum": ctx_sum, "_ids": got, **_ttft(ttft)}
-
-
-def _with_roofline(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings) -> dict:
-    row["requests_per_s"] = row["requests"] / row["seconds"]
-    row["tokens_per_s"] = row["generated_tokens"] / row["seconds"]
-    if row.get("decode_steps") and row.get("decode_queries"):
-        steps = row["decode_steps"]
-        f = decode_step_floor(shape, row["decode_queries"] / steps, system_tokens,
-                              row["decode_context_sum"] / steps, ceil)
-        row.update(mean_decode_batch=row["decode_queries"] / steps, floor_step_s=f.seconds, floor_bound=f.bound,
-                   floor_bytes=f.bytes, floor_flops=f.flops, floor_fraction=f.seconds / row["decode_step_s"])
-    return row
+            "decode_context_sum": ctx_sum, "_ids": got, **ttft_stats(ttft)}
 
 
 def _prepare_model(opts: E2EOptions, need_context: int) -> tuple[LoadedModel, str | None]:
@@ -299,10 +279,10 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
                 row = {**base, **row}
                 ids_by_system[system] = row.pop("_ids", None)
                 if "seconds" in row:
-                    _with_roofline(row, shape, s, ceil)
+                    price_decode(row, shape, s, ceil)
                 rows.append(row)
                 say(e2e_line(row))
-            _compare_tokens(rows[-len(opts.systems):], ids_by_system)
+            compare_tokens(rows[-len(opts.systems):], ids_by_system)
         del prefix
         _free(dev)
     add_speedups(rows)
@@ -312,16 +292,6 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
             "workload": {**spec.describe(), "seed": opts.seed, "requests": opts.requests,
                          "max_output_len": opts.max_output_len, "lengths": length_summary(shapes)},
             "options": {k: v for k, v in opts.__dict__.items()}, "rows": rows}
-
-
-def _compare_tokens(rows: list[dict], ids_by_system: dict) -> None:
-    """How many requests generated the same ids as relay (greedy, same weights): a check
-    that every system computed the same thing; low-precision near-ties may flip a few."""
-    mine = ids_by_system.get("relay")
-    for r in rows:
-        theirs = ids_by_system.get(r["system"])
-        if mine and theirs and r["system"] != "relay":
-            r["same_tokens_as_relay"] = f"{sum(mine.get(i) == t for i, t in theirs.items())}/{len(theirs)}"
 
 
 def _hf_row(lm: LoadedModel, prefix_ids: list[int], shapes: list[RequestShape], own_ids: list[list[int]],

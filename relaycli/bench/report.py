@@ -61,6 +61,25 @@ def kernels_table(report: dict) -> Table:
     return t
 
 
+def ttft_stats(values: list[float]) -> dict:
+    """Mean, median and 90th percentile of times to first token (seconds)."""
+    s = sorted(values)
+    if not s:
+        return {"ttft_mean_s": None, "ttft_p50_s": None, "ttft_p90_s": None}
+    return {"ttft_mean_s": sum(s) / len(s), "ttft_p50_s": s[len(s) // 2],
+            "ttft_p90_s": s[min(len(s) - 1, int(0.9 * len(s)))]}
+
+
+def compare_tokens(rows: list[dict], ids_by_system: dict) -> None:
+    """How many requests generated the same ids as relay (greedy, same weights): a check
+    that every system computed the same thing; low-precision near-ties may flip a few."""
+    mine = ids_by_system.get("relay")
+    for r in rows:
+        theirs = ids_by_system.get(r["system"])
+        if mine and theirs and r["system"] != "relay":
+            r["same_tokens_as_relay"] = f"{sum(mine.get(i) == t for i, t in theirs.items())}/{len(theirs)}"
+
+
 def add_speedups(rows: list[dict]) -> None:
     """speedup_vs_no_relay: tokens/s over those of --no-relay at the same S and batch limit."""
     ref = {(r["system_tokens"], r["max_batch"]): r for r in rows if r["system"] == "no-relay" and "tokens_per_s" in r}

@@ -118,6 +118,20 @@ def decode_context_sum(input_len: int, output_len: int) -> int:
     return steps * input_len + steps * (steps + 1) // 2
 
 
+def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings) -> dict:
+    """Add rates and the floor of the mean decode step to a run's row: decode_queries /
+    decode_steps is the mean batch, decode_context_sum / decode_steps its context sum."""
+    row["requests_per_s"] = row["requests"] / row["seconds"]
+    row["tokens_per_s"] = row["generated_tokens"] / row["seconds"]
+    if row.get("decode_steps") and row.get("decode_queries"):
+        steps = row["decode_steps"]
+        f = decode_step_floor(shape, row["decode_queries"] / steps, system_tokens,
+                              row["decode_context_sum"] / steps, ceil)
+        row.update(mean_decode_batch=row["decode_queries"] / steps, floor_step_s=f.seconds, floor_bound=f.bound,
+                   floor_bytes=f.bytes, floor_flops=f.flops, floor_fraction=f.seconds / row["decode_step_s"])
+    return row
+
+
 def measure_ceilings(device, dtype, copy_bytes: int | None = None, matmul_n: int | None = None,
                      repeats: int = 5) -> Ceilings:
     """Best of `repeats`: a device copy (GiB-scale on CUDA) and an n^3 matrix product."""
