@@ -2,7 +2,8 @@
 
 `relay`: system step per shared prefix (all queries at once) + context step + fusion.
 `no-relay`: the baseline, one softmax per request over prefix + own keys.
-`impl`: "torch" (kernels/reference.py, any device) or "triton" (CUDA kernels).
+`impl`: "torch" (kernels/reference.py, any device), "cpu-flash" (the same algorithms on
+PyTorch's fused CPU attention, kernels/cpu_flash.py) or "triton" (CUDA kernels).
 """
 
 from __future__ import annotations
@@ -15,7 +16,18 @@ from kernels import reference
 from kernels.metadata import AttentionMetadata
 
 ATTENTION_MODES = ("relay", "no-relay")
-ATTENTION_IMPLS = ("torch", "triton")
+ATTENTION_IMPLS = ("torch", "cpu-flash", "triton")
+
+
+def default_impl(device: torch.device) -> str:
+    """The fastest implementation this device has."""
+    if triton_available(device):
+        return "triton"
+    if device.type == "cpu":
+        from kernels import cpu_flash
+        if cpu_flash.is_available():
+            return "cpu-flash"
+    return "torch"
 
 
 def triton_available(device: torch.device) -> bool:
@@ -51,6 +63,9 @@ class PagedAttention:
         if impl == "triton":
             from kernels import triton_ops
             self._ops = triton_ops
+        elif impl == "cpu-flash":
+            from kernels import cpu_flash
+            self._ops = cpu_flash
         else:
             self._ops = reference
 

@@ -8,11 +8,16 @@ lse = -inf, so merging it with anything returns the other side unchanged.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kernels.metadata import AttentionMetadata
 
 NEG_INF = float("-inf")
+# attend(q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v, scale, mask [B, Tq, Tk] | None) -> (o, lse):
+# the one primitive below; kernels/cpu_flash.py passes a fused one with the same contract.
+AttendLSE = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -54,14 +59,14 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
 
 def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, attend: AttendLSE = attention_lse) -> tuple[torch.Tensor, torch.Tensor]:
     """All queries of a batch against one shared system prefix, non-causal.
 
     q [N, Hq, D], k_sys/v_sys [S, Hkv, D] -> o [N, Hq, D], lse [N, Hq] fp32.
     The N queries and the G heads of each KV head are stacked into one [N*G, D]
     matrix, so K_S and V_S are read once for the whole batch (matrix-matrix work).
     """
-    o, lse = attention_lse(q[None], k_sys[None], v_sys[None], scale)
+    o, lse = attend(q[None], k_sys[None], v_sys[None], scale)
     return o[0], lse[0]
 
 
@@ -95,26 +100,27 @@ def _causal_mask(meta: AttentionMetadata, num_prefix: int = 0) -> torch.Tensor:
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      meta: AttentionMetadata, scale: float,
+                      attend: AttendLSE = attention_lse) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's queries against its own paged keys, causal.
 
     q [N, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] -> o [N, Hq, D], lse [N, Hq].
     """
     idx = meta.padded_indices()
-    o, lse = attention_lse(_pad_queries(q, meta), gather_context(k_cache, meta),
-                           gather_context(v_cache, meta), scale, _causal_mask(meta))
+    o, lse = attend(_pad_queries(q, meta), gather_context(k_cache, meta),
+                    gather_context(v_cache, meta), scale, _causal_mask(meta))
     return o[idx["query_seq"], idx["query_local"]], lse[idx["query_seq"], idx["query_local"]]
 
 
 def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]],
-                    scale: float) -> torch.Tensor:
+                    scale: float, attend: AttendLSE = attention_lse) -> torch.Tensor:
     """RelayAttention: system step per shared prefix, context step, exact fusion.
 
     prefixes[slot] = (k_sys [S, Hkv, D], v_sys [S, Hkv, D]) for this layer.
     Returns o [N, Hq, D].
     """
-    o_ctx, lse_ctx = context_attention(q, k_cache, v_cache, meta, scale)
+    o_ctx, lse_ctx = context_attention(q, k_cache, v_cache, meta, scale, attend)
     if not meta.prefix_groups:
         return o_ctx
     o_sys = torch.zeros_like(o_ctx)
@@ -122,7 +128,7 @@ def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for group in meta.prefix_groups:
         k_sys, v_sys = prefixes[group.prefix_slot]
         rows = group.query_indices
-        o_g, lse_g = system_attention(q[rows], k_sys, v_sys, scale)
+        o_g, lse_g = system_attention(q[rows], k_sys, v_sys, scale, attend)
         o_sys[rows] = o_g
         lse_sys[rows] = lse_g
     return merge_attention(o_sys, lse_sys, o_ctx, lse_ctx)
@@ -130,7 +136,7 @@ def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]],
-                           scale: float) -> torch.Tensor:
+                           scale: float, attend: AttendLSE = attention_lse) -> torch.Tensor:
     """The --no-relay baseline: one softmax per request over its prefix and own keys.
 
     The prefix is shared in memory but read once per request (vLLM prefix caching).
@@ -149,11 +155,11 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k = torch.cat([k_sys[None].expand(num, -1, -1, -1), k_own[seqs]], dim=1)
         v = torch.cat([v_sys[None].expand(num, -1, -1, -1), v_own[seqs]], dim=1)
         mask = _causal_mask(meta, group.num_prefix_tokens)[seqs]
-        o_pad[seqs] = attention_lse(q_pad[seqs], k, v, scale, mask)[0]
+        o_pad[seqs] = attend(q_pad[seqs], k, v, scale, mask)[0]
     rest = torch.nonzero(~grouped).flatten()
     if rest.numel():
         mask = _causal_mask(meta)[rest]
-        o_pad[rest] = attention_lse(q_pad[rest], k_own[rest], v_own[rest], scale, mask)[0]
+        o_pad[rest] = attend(q_pad[rest], k_own[rest], v_own[rest], scale, mask)[0]
     return o_pad[idx["query_seq"], idx["query_local"]]
 
 

@@ -107,7 +107,7 @@ def run_cmd(
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size; default: a share of free memory."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job: answer only missing rows."),
     no_relay: bool = typer.Option(False, "--no-relay", help="Baseline: per-request attention over the shared prefix."),
-    attention_impl: str = typer.Option("auto", "--attention-impl", help="auto | torch | triton."),
+    attention_impl: str = typer.Option("auto", "--attention-impl", help="auto | torch | cpu-flash | triton."),
     allow_cast: bool = typer.Option(False, "--allow-cast", help="Accept an artifact of another dtype and convert it."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate max_tokens for every row (benchmarks)."),
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", help="Write the job's statistics as JSON here."),

@@ -13,7 +13,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: a share of free memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
     relay: bool = True  # False: the --no-relay baseline
-    attention_impl: str = "auto"  # auto | torch | triton
+    attention_impl: str = "auto"  # auto | torch | cpu-flash | triton
     cuda_graphs: bool = True  # decode steps through CUDA graphs (CUDA + triton only)
     max_pending_rows: int | None = None  # rows read ahead of the batch; None: 4 x max_num_seqs
 
@@ -28,7 +28,7 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
-        if self.attention_impl not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention impl must be auto, torch or triton, got {self.attention_impl!r}")
+        if self.attention_impl not in ("auto", "torch", "cpu-flash", "triton"):
+            raise ValueError(f"--attention-impl must be auto, torch, cpu-flash or triton, got {self.attention_impl!r}")
         if self.max_pending_rows is None:
             self.max_pending_rows = 4 * self.max_num_seqs

@@ -64,3 +64,39 @@ def test_system_attention_stacks_all_queries():
         on, ln = attention_lse(q[n:n + 1, None], k[None], v[None], 0.25)
         assert torch.allclose(o[n], on[0, 0], atol=1e-6)
         assert torch.allclose(lse[n], ln[0, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_flash_path_equals_reference(decode, dtype):
+    from kernels import cpu_flash
+    if not cpu_flash.is_available():
+        pytest.skip("this torch has no fused CPU flash attention")
+    rng = random.Random()
+    shapes = _shapes(rng, decode)
+    q, kc, vc, prefixes, meta = random_problem(**shapes, dtype=dtype)
+    scale = 1 / math.sqrt(shapes["head_dim"])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in ("relay_attention", "prefix_paged_attention"):
+        want = getattr(__import__("kernels.reference", fromlist=[name]), name)(q, kc, vc, meta, prefixes, scale)
+        got = getattr(cpu_flash, name)(q, kc, vc, meta, prefixes, scale)
+        assert (got.float() - want.float()).abs().max().item() < tol * max(1.0, want.float().abs().max().item()), name
+    expect = expected_output(q.float(), kc.float(), vc.float(), [(k.float(), v.float()) for k, v in prefixes], meta,
+                             shapes["prefix_of"], scale)
+    got = cpu_flash.relay_attention(q, kc, vc, meta, prefixes, scale)
+    assert (got.double() - expect).abs().max().item() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_fused_lse_marks_rows_without_keys():
+    from kernels import cpu_flash
+    if not cpu_flash.is_available():
+        pytest.skip("this torch has no fused CPU flash attention")
+    q, k, v = torch.randn(2, 5, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
+    mask = torch.rand(2, 5, 7) > 0.4
+    mask[1, 3] = False
+    o, lse = cpu_flash.fused_attention_lse(q, k, v, 0.25, mask)
+    o_ref, lse_ref = attention_lse(q, k, v, 0.25, mask)
+    assert torch.isneginf(lse[1, 3]).all() and torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    finite = ~torch.isneginf(lse_ref)
+    assert torch.allclose(lse[finite], lse_ref[finite], atol=1e-5)
+    assert torch.allclose(o, o_ref, atol=1e-5)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kernels.backend import PagedAttention, triton_available
+from kernels.backend import PagedAttention, default_impl
 from kernels.metadata import AttentionMetadata, PrefixGroup
 from models.registry import LoadedModel
 from relaycli.config import EngineConfig
@@ -47,7 +47,7 @@ class ModelRunner:
                                   [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes]
         impl = config.attention_impl
         if impl == "auto":
-            impl = "triton" if triton_available(self.device) else "torch"
+            impl = default_impl(self.device)
         self.attention_impl = impl
         self.attention = PagedAttention(self.k_caches, self.v_caches,
                                         [(p.keys, p.values) for p in self.prefixes],
