@@ -55,6 +55,9 @@ def run_hf(lm, system_text, questions, max_tokens):
     from transformers import AutoModelForCausalLM, DynamicCache
     path = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # Like relay's ignore_eos: keep the argmax even when it is EOS. (min_new_tokens alone
+    # would mask EOS out and change the greedy choice.)
+    model.generation_config.eos_token_id = None
     tok = lm.tokenizer
     start = time.perf_counter()
     prefix = torch.tensor([load_prefix_ids(lm, system_text)])
@@ -72,10 +75,10 @@ def run_hf(lm, system_text, questions, max_tokens):
     batch_cache = copy.deepcopy(cache)
     batch_cache.batch_repeat_interleave(n)
     out = model.generate(ids, attention_mask=mask, past_key_values=batch_cache, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, do_sample=False)
+                         do_sample=False, pad_token_id=pad)
     elapsed = time.perf_counter() - start
     gen = out[:, ids.shape[1]:]
-    texts = [tok.decode(row.tolist()) for row in gen]
+    texts = [tok.decode(row.tolist()) for row in gen]  # skip_special_tokens, as relay's text
     return {"seconds": elapsed, "generated_tokens": int(gen.numel()), "tokens_per_second": gen.numel() / elapsed,
             "requests_per_second": n / elapsed, "texts": texts}
 
