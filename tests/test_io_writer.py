@@ -143,6 +143,7 @@ def test_finalize_refuses_missing_or_foreign_rows(tmp_path):
     with pytest.raises(OutputError, match="row 2 has no result"):
         w.finalize(4)
     assert not out.exists() and parts(out)  # nothing lost: the parts are still there
+    w.close()  # the failed job ends, and with it its lock on OUT
     w2 = ResultWriter(out, resume=True)
     assert w2.done_row_indices() == {0, 1, 3}
     with pytest.raises(OutputError, match="another job"):
@@ -211,10 +212,27 @@ def test_duplicate_parts_keep_one_and_corrupt_part_dropped(tmp_path):
     shutil.copy(first, first.with_name("part-copy.parquet"))  # a crash mid-merge leaves such twins
     bad = first.with_name("part-zzz.parquet")
     bad.write_bytes(b"not parquet")
+    del w  # abandoned, as a crash leaves it (its lock dies with it)
     w = ResultWriter(out, resume=True)
     assert w.done_row_indices() == set(range(6)) and w.dropped_parts == [bad] and not bad.exists()
     w.finalize(6)
     assert [r["id"] for r in read_out(out)] == [f"id{i}" for i in range(6)]
+
+
+def test_second_writer_on_the_same_output_is_refused(tmp_path):
+    out = tmp_path / "o.parquet"
+    w = ResultWriter(out)
+    with pytest.raises(OutputError, match="another relay job is writing"):
+        ResultWriter(out, resume=True)
+    code = ("import sys; from relaycli.io.writer import ResultWriter, OutputError\n"
+            "try:\n    ResultWriter(sys.argv[1], resume=True)\nexcept OutputError as e:\n    print(e)\n")
+    child = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "another relay job is writing" in child.stdout
+    w.write(result(0))
+    w.finalize(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.parquet"]  # no lock file left
+    assert ResultWriter(out, resume=True).already_complete
 
 
 def test_many_parts_merge_in_rounds(tmp_path, monkeypatch):

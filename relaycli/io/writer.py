@@ -10,6 +10,7 @@ OUT atomically and removes the parts.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import heapq
 import itertools
@@ -164,12 +165,17 @@ class ResultWriter:
         self._last_flush = time.monotonic()
         self._finalized = False
         self._check_writable()
-        if not resume:
-            for p in (self.out_path, self.parts_dir):
-                if p.exists():
-                    raise OutputError(f"{p} already exists; pass --resume to continue that job or remove it")
-        else:
-            self._recover()
+        self._lock_fd: int | None = self._lock()
+        try:
+            if not resume:
+                for p in (self.out_path, self.parts_dir):
+                    if p.exists():
+                        raise OutputError(f"{p} already exists; pass --resume to continue that job or remove it")
+            else:
+                self._recover()
+        except BaseException:
+            self._unlock(remove=False)
+            raise
 
     def _check_writable(self) -> None:
         # Fail before any work (model loading, compute) if the results could never be saved.
@@ -289,6 +295,7 @@ class ResultWriter:
             _write_atomically(self.out_path, lambda f: self._write_output(f, rows))
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         self._finalized = True
+        self._unlock(remove=True)
 
     def _write_output(self, f, rows: Iterator[dict]) -> None:
         if self.fmt == "parquet":
@@ -302,8 +309,37 @@ class ResultWriter:
 
     def close(self) -> None:
         """Save what is buffered (finished results are never thrown away)."""
-        if not self._finalized:
-            self.flush()
+        try:
+            if not self._finalized:
+                self.flush()
+        finally:
+            self._unlock(remove=self._finalized)
+
+    def __del__(self) -> None:
+        # A dropped writer releases its lock as a dead process would; it does not flush.
+        self._unlock(remove=False)
+
+    def _lock_path(self) -> Path:
+        return self.out_path.with_name(f".{self.out_path.name}.lock")
+
+    def _unlock(self, remove: bool) -> None:
+        if getattr(self, "_lock_fd", None) is None:
+            return
+        if remove:  # the job is complete: leave no dot file beside OUT
+            self._lock_path().unlink(missing_ok=True)
+        os.close(self._lock_fd)  # closing drops the lock
+        self._lock_fd = None
+
+    def _lock(self) -> int:
+        """One writer per OUT: a second job on the same output would merge and delete parts
+        under the first. An flock dies with its process, so kill -9 leaves no stale lock."""
+        fd = os.open(self._lock_path(), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"another relay job is writing {self.out_path}; wait for it to end or stop it") from None
+        return fd
 
     def __enter__(self) -> ResultWriter:
         return self
