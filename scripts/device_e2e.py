@@ -14,6 +14,7 @@ Writes e2e.json under $OUT (or ./out) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -26,6 +27,7 @@ import torch
 
 from models.registry import load_model
 from relaycli.compile import compile_prompt, load_checked, prefill_kv
+from relaycli.bench.e2e import hf_twin
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
@@ -51,22 +53,9 @@ class Prefix:
 
 
 def hf_from_relay(lm, dtype=None):
-    """A transformers model holding exactly the weights of a relay model (in dtype)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    c = lm.config
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta} if c.rope_scaling is None else \
-        dict(c.rope_scaling, rope_theta=c.rope_theta)
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                      rope_parameters=rope, tie_word_embeddings=c.tie_word_embeddings)
-    with torch.device(lm.model.device):
-        hf = LlamaForCausalLM._from_config(cfg, dtype=dtype or lm.model.dtype)
-    missing, unexpected = hf.load_state_dict(lm.model.state_dict(), strict=False)
-    assert not [m for m in missing if "rotary" not in m and not (m == "lm_head.weight" and c.tie_word_embeddings)], missing
-    assert not unexpected, unexpected
-    return hf.eval()
+    """transformers' Llama on relay's own weights (relay bench's twin), in dtype."""
+    hf = hf_twin(lm)
+    return hf if dtype is None or dtype == lm.model.dtype else copy.deepcopy(hf).to(dtype)
 
 
 def check_default(device: str, max_tokens: int) -> dict:
