@@ -1,7 +1,10 @@
-"""Next-token choice: greedy for the batch at once, seeded sampling per sequence.
+"""Next-token choice for a whole batch with one host sync.
 
-Each sampling sequence owns a torch.Generator seeded from its row's seed, so its
-output depends only on its seed and logits, never on which other rows share the batch.
+Greedy rows take the argmax. Sampling rows are filtered (temperature, top-k, top-p) as
+one batched tensor operation and drawn by the Gumbel-max trick: argmax(log p + g) with
+g = -log(-log u) is an exact draw from p. Each sequence owns a torch.Generator seeded
+from its row's seed that supplies its u, so its output depends only on its seed and its
+logits, never on which other rows share the batch.
 """
 
 from __future__ import annotations
@@ -11,22 +14,22 @@ import torch
 from relaycli.engine.sequence import SamplingOptions
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
-    """logits [V] fp32 -> probabilities [V] after temperature, top-k and top-p."""
-    scaled = logits / temperature
-    if top_k is not None and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest set whose mass reaches top_p (the first token always stays).
-        drop_sorted = (cum - sorted_probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum()
-    return probs
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities after temperature, top-k and top-p; dropped tokens get -inf.
+
+    logits [R, V] fp32; temperature [R] (> 0), top_k [R] int64 (V = off), top_p [R] in (0, 1].
+    """
+    scaled = logits / temperature[:, None]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+    drop |= (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    log_probs_sorted = torch.log_softmax(kept, dim=-1)
+    return torch.empty_like(log_probs_sorted).scatter_(-1, order, log_probs_sorted)
 
 
 class Sampler:
@@ -46,11 +49,19 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], options: list[SamplingOptions]) -> list[int]:
         """logits [B, V] fp32 -> one token id per row."""
-        greedy = logits.argmax(dim=-1)
-        out = greedy.tolist()
-        for row, (seq_id, opt) in enumerate(zip(seq_ids, options)):
-            if opt.is_greedy:
-                continue
-            probs = filter_logits(logits[row], opt.temperature, opt.top_k, opt.top_p)
-            out[row] = int(torch.multinomial(probs, 1, generator=self.generator(seq_id, opt.seed)))
-        return out
+        choice = logits.argmax(dim=-1)
+        rows = [i for i, opt in enumerate(options) if not opt.is_greedy]
+        if rows:
+            vocab = logits.shape[-1]
+            dev = logits.device
+            picked = [options[i] for i in rows]
+            log_p = filter_logits(
+                logits[rows],
+                torch.tensor([o.temperature for o in picked], dtype=logits.dtype, device=dev),
+                torch.tensor([min(o.top_k or vocab, vocab) for o in picked], dtype=torch.int64, device=dev),
+                torch.tensor([o.top_p for o in picked], dtype=logits.dtype, device=dev))
+            u = torch.stack([torch.rand(vocab, generator=self.generator(seq_ids[i], options[i].seed), device=dev)
+                             for i in rows])
+            gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+            choice[rows] = (log_p + gumbel).argmax(dim=-1)
+        return choice.tolist()
