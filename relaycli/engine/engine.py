@@ -122,6 +122,10 @@ class Engine:
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt has {num_prompt} "
                                     f"tokens, the model's context is {self.max_context}; shorten it", req.url)
         prefix_len = 0 if req.prefix_slot is None else self.runner.prefixes[req.prefix_slot].num_tokens
+        if num_prompt <= prefix_len:
+            what = "is empty" if prefix_len == 0 else f"has no token after its {prefix_len}-token shared prefix"
+            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt {what}; "
+                                    "add the request's own text", req.url)
         opts = req.sampling
         max_new = min(opts.max_tokens, self.max_context - num_prompt)
         seq = Sequence(next(self._seq_ids), list(req.prompt_ids), opts, prefix_len, req.prefix_slot,
