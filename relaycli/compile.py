@@ -103,6 +103,22 @@ def prefill_kv(loaded: LoadedModel, token_ids: list[int], chunk_size: int = 512,
     return keys, values
 
 
+@dataclass
+class TokenPrefix:
+    """A shared prefix given as token ids and prefilled in memory (benchmarks, dummy models
+    without a tokenizer). Engine takes it as it takes a loaded artifact."""
+
+    name: str
+    token_ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    system_text: str = ""
+
+
+def prefix_from_ids(loaded: LoadedModel, token_ids: list[int], name: str = "prefix") -> TokenPrefix:
+    return TokenPrefix(name, list(token_ids), *prefill_kv(loaded, token_ids))
+
+
 def artifact_meta(loaded: LoadedModel, system_text: str, token_ids: list[int]) -> dict:
     cfg, tok = loaded.config, loaded.tokenizer
     return {

@@ -20,13 +20,12 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from models.registry import load_model
-from relaycli.compile import compile_prompt, load_checked, prefill_kv
+from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids
 from relaycli.bench.e2e import hf_twin
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
@@ -40,16 +39,6 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "How
              "Suggest a name for a bakery.", "Why do leaves change colour?", "hi", "What is a prime number?",
              "How many legs does a spider have?", "Say something kind.", "What is Python?", "Count to five."]
 
-
-@dataclass
-class Prefix:
-    """What Engine needs of an artifact when ids come without a tokenizer."""
-
-    name: str
-    system_text: str
-    token_ids: list
-    keys: list
-    values: list
 
 
 def hf_from_relay(lm, dtype=None):
@@ -85,10 +74,8 @@ def check_default(device: str, max_tokens: int) -> dict:
     return {"impl": impl, "requests": len(rows), "identical_relay_norelay_hf": same}
 
 
-def dummy_prefix(lm, num_tokens: int, rng: random.Random) -> Prefix:
-    ids = [rng.randrange(lm.config.vocab_size) for _ in range(num_tokens)]
-    keys, values = prefill_kv(lm, ids) if num_tokens else ([], [])
-    return Prefix("sys", "", ids, keys, values)
+def dummy_prefix(lm, num_tokens: int, rng: random.Random) -> TokenPrefix:
+    return prefix_from_ids(lm, [rng.randrange(lm.config.vocab_size) for _ in range(num_tokens)], "sys")
 
 
 def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dtype: str) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import traceback
@@ -32,12 +31,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import reference as ref  # noqa: E402
-from kernels.metadata import AttentionMetadata, PrefixGroup  # noqa: E402
 from kernels.triton_context_attention import paged_attention  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
 from kernels.triton_system_attention import (merge_partials, split_plan, system_attention_into,  # noqa: E402
                                              system_config)
+from relaycli.bench.kernels import build_step  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=1 if m == 128 else 2, tma=t)
@@ -90,20 +89,11 @@ def ceilings(dev) -> dict:
 
 
 def build(hq, hkv, d, batch, prefix, own, dev, page=16, dtype=torch.bfloat16):
-    """Decode step: q [B, Hq, D], shuffled paged own keys, one prefix shared by every request."""
-    per_seq = math.ceil(own / page)
-    tables = torch.randperm(batch * per_seq, device=dev).view(batch, per_seq).to(torch.int32)
-    kc, vc = (torch.randn(batch * per_seq, page, hkv, d, device=dev, dtype=dtype) for _ in range(2))
-    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
-    last = own - 1
-    slots = tables[:, last // page].to(torch.int64) * page + last % page
-    pre = [tuple(torch.randn(prefix, hkv, d, device=dev, dtype=dtype) for _ in range(2))] if prefix else []
-    ids = torch.arange(batch, device=dev)
-    groups = [PrefixGroup(0, prefix, ids, ids)] if prefix else []
-    meta = AttentionMetadata(True, torch.arange(batch + 1, device=dev, dtype=torch.int32), 1,
-                             torch.full((batch,), own, device=dev, dtype=torch.int32), own, tables, slots, page,
-                             groups)
-    return q, kc, vc, pre, meta
+    """Decode step: q [B, Hq, D], shuffled paged own keys, one prefix shared by every request.
+    Fresh random inputs every call (relay bench's builder, with a randomly seeded generator)."""
+    gen = torch.Generator(device=dev)
+    gen.seed()
+    return build_step(hq, hkv, d, batch, prefix, own, dev, dtype, gen, page)
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

@@ -14,15 +14,10 @@ import time
 import torch
 
 from models.registry import load_model
-from relaycli.compile import prefill_kv
+from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
-
-
-class _Prefix:
-    def __init__(self, ids, keys, values):
-        self.name, self.system_text, self.token_ids, self.keys, self.values = "sys", "", ids, keys, values
 
 
 def main() -> None:
@@ -35,8 +30,7 @@ def main() -> None:
     rng = random.Random(0)
     lm = load_model(f"dummy:{args.preset}", dtype="bfloat16", device="cuda")
     ids = [rng.randrange(lm.config.vocab_size) for _ in range(args.prefix)]
-    keys, values = prefill_kv(lm, ids)
-    prefix = _Prefix(ids, keys, values)
+    prefix = prefix_from_ids(lm, ids, "sys")
     reqs = [TokenRequest(i, str(i), ids + [rng.randrange(lm.config.vocab_size) for _ in range(64)],
                          SamplingOptions(max_tokens=64, ignore_eos=True), prefix_slot=0) for i in range(args.batch)]
     eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=args.batch, relay=bool(args.relay)))

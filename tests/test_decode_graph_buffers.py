@@ -7,25 +7,18 @@ import random
 import torch
 
 from models.registry import load_model
+from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.cuda_graph import DecodeGraphs
 from relaycli.engine.engine import Engine, TokenRequest
-from relaycli.engine.model_runner import PrefixKV
 from relaycli.engine.sequence import SamplingOptions
 
 
-class _Prefix:
-    def __init__(self, ids, keys, values):
-        self.name, self.system_text, self.token_ids, self.keys, self.values = "p", "", ids, keys, values
-
-
 def test_static_buffers_match_the_eager_decode_step():
-    from relaycli.compile import prefill_kv
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
     rng = random.Random()
     ids = [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(1, 100))]
-    keys, values = prefill_kv(lm, ids)
-    engine = Engine(lm, [_Prefix(ids, keys, values)], EngineConfig(max_num_seqs=8, kv_cache_gb=0.01))
+    engine = Engine(lm, [prefix_from_ids(lm, ids)], EngineConfig(max_num_seqs=8, kv_cache_gb=0.01))
     for i in range(5):
         own = [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(1, 40))]
         engine._admit(TokenRequest(i, str(i), ids + own, SamplingOptions(max_tokens=50), prefix_slot=0))

@@ -3,21 +3,16 @@
 import random
 
 from models.registry import load_model
-from relaycli.compile import prefill_kv
+from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
 
 
-class _Prefix:
-    def __init__(self, ids, keys, values):
-        self.name, self.system_text, self.token_ids, self.keys, self.values = "p", "", ids, keys, values
-
-
 def test_empty_or_prefix_only_prompts_are_error_rows_and_the_job_goes_on():
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(100))
     ids = [random.randrange(lm.config.vocab_size) for _ in range(5)]
-    prefix = _Prefix(ids, *prefill_kv(lm, ids))
+    prefix = prefix_from_ids(lm, ids)
     engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=4), record_token_ids=True)
     reqs = [TokenRequest(0, "prefix-only", list(ids), SamplingOptions(max_tokens=3), prefix_slot=0),
             TokenRequest(1, "ok", ids + [1, 2], SamplingOptions(max_tokens=3, ignore_eos=True), prefix_slot=0),

@@ -21,7 +21,7 @@ from models.registry import LoadedModel, load_model
 from relaycli.bench.report import add_speedups, compare_tokens, e2e_line, machine_info, ttft_stats
 from relaycli.bench.roofline import ModelShape, decode_context_sum, measure_ceilings, price_decode
 from relaycli.bench.workloads import RequestShape, get_workload, length_summary, make_requests
-from relaycli.compile import prefill_kv
+from relaycli.compile import TokenPrefix, prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, EngineStats, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
@@ -59,16 +59,6 @@ class E2EOptions:
             raise ValueError(f"--hf-requests must be at least 1, got {self.hf_requests}")
 
 
-@dataclass
-class _Prefix:
-    """What Engine needs of a compiled artifact, for random system ids."""
-
-    name: str
-    system_text: str
-    token_ids: list[int]
-    keys: list
-    values: list
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -81,7 +71,7 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_engine(lm: LoadedModel, prefix: _Prefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
+def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
                max_batch: int, relay: bool, kv_cache_gb: float | None) -> dict:
     """One measured run of the engine after a warm-up on the same engine: the first
     max_batch requests with outputs cut to 128 tokens (4 on CPU), so kernel compilation
@@ -267,7 +257,7 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
     rows = []
     for s in opts.system_tokens:
         ids = [rng.randrange(vocab) for _ in range(s)]
-        prefix = _Prefix("bench", "", ids, *prefill_kv(lm, ids)) if s else None
+        prefix = prefix_from_ids(lm, ids, "bench") if s else None
         for b in opts.max_batch:
             ids_by_system = {}
             for system in opts.systems:
