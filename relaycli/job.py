@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from models.registry import LoadedModel, load_model
+from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, EngineStats
@@ -85,12 +86,13 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
             loaded = load_model(opts.model, opts.dtype, opts.device)
         artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]
         engine = Engine(loaded, artifacts, opts.engine)
+        run_dtype = dtype_name(loaded.model.dtype)
         summary = JobSummary(
             input_rows=source.num_rows, skipped_rows=len(done), stats=engine.stats, model=loaded.reference,
             attention=("relay" if opts.engine.relay else "no-relay") + f" ({engine.runner.attention_impl})",
-            device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
+            device=str(loaded.model.device), dtype=run_dtype,
             artifacts=[{"name": a.name, "tokens": a.num_tokens, "cast_from": a.meta["dtype"]
-                        if a.meta["dtype"] != str(loaded.model.dtype).replace("torch.", "") else None}
+                        if a.meta["dtype"] != run_dtype else None}
                        for a in artifacts],
             load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
         if writer.already_complete:

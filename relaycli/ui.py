@@ -95,8 +95,7 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
             bar.update(task, total=total, completed=done)
 
         def on_result(stats) -> None:
-            d = stats.as_dict()
-            bar.update(task, advance=1, tps=f"{d['generated_tokens_per_second']:.1f} tok/s")
+            bar.update(task, advance=1, tps=f"{stats.generated_tokens_per_second():.1f} tok/s")
 
         summary = run_job(opts, on_start, on_result)
     if not quiet:

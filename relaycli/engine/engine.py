@@ -50,6 +50,11 @@ class EngineStats:
     ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
     started: float = field(default_factory=time.perf_counter)
 
+    def generated_tokens_per_second(self) -> float:
+        """Cheap enough to call after every row (as_dict sorts every TTFT)."""
+        elapsed = time.perf_counter() - self.started
+        return self.completion_tokens / elapsed if elapsed > 0 else 0.0
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds")}
         ttft = sorted(self.ttft_seconds)
@@ -59,7 +64,7 @@ class EngineStats:
         d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
         elapsed = time.perf_counter() - self.started
         d["elapsed_seconds"] = elapsed
-        d["generated_tokens_per_second"] = self.completion_tokens / elapsed if elapsed > 0 else 0.0
+        d["generated_tokens_per_second"] = self.generated_tokens_per_second()
         d["rows_per_second"] = self.rows / elapsed if elapsed > 0 else 0.0
         return d
 

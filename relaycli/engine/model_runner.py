@@ -90,8 +90,8 @@ class ModelRunner:
         for seq in seqs:
             start = seq.num_cached_own if is_prefill else seq.num_own_tokens - 1
             end = seq.num_own_tokens
-            own = seq.own_ids()
-            input_ids.extend(own[start:end])
+            # A decode step needs only the last token: no copy of the whole sequence per step.
+            input_ids.extend(seq.own_ids()[start:end] if is_prefill else [seq.last_token])
             positions.extend(range(seq.num_prefix_tokens + start, seq.num_prefix_tokens + end))
             slots.extend(self._slots(seq, start, end))
             cu.append(cu[-1] + end - start)
