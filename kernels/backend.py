@@ -41,6 +41,24 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
+class TritonLayerOps:
+    """models.llama.EagerOps in fused Triton kernels (CUDA), with the same rounding."""
+
+    def __init__(self) -> None:
+        from kernels.triton_rms_norm import add_rms_norm
+        from kernels.triton_rope import rope
+        from kernels.triton_silu_mul import silu_mul
+        self._add_rms_norm, self.rope, self.silu_mul = add_rms_norm, rope, silu_mul
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_rms_norm(x, residual, norm.weight, norm.eps)
+
+
+def layer_ops(impl: str):
+    """Fused elementwise ops for this attention impl, or None for the eager ones."""
+    return TritonLayerOps() if impl == "triton" else None
+
+
 class PagedAttention:
     """Owns the per-layer paged KV cache and the per-layer KV of the loaded prefixes.
 

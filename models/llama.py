@@ -46,6 +46,34 @@ class Linear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+class FusedLinear:
+    """Projections of one input computed as one matmul (q/k/v, gate/up).
+
+    Each part stays a Linear module under its usual name (transformers' names, so loaders
+    and checkpoints see the usual layout), but its weight is a view into one
+    [sum(sizes), in] tensor: one launch and one weight stream instead of several. A plain
+    object, not a module, so the parameters are named once. Nothing may move the model
+    with .to() afterwards: that would copy the views apart from the fused tensor.
+    """
+
+    def __init__(self, in_features: int, sizes: list[int], bias: bool, dtype, device) -> None:
+        self.sizes = list(sizes)
+        self.weight = torch.empty(sum(sizes), in_features, dtype=dtype, device=device)
+        self.bias = torch.empty(sum(sizes), dtype=dtype, device=device) if bias else None
+        self.parts = []
+        start = 0
+        for size in sizes:
+            part = Linear(0, 0, False, dtype, "meta")
+            part.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
+            part.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False) if bias else None
+            self.parts.append(part)
+            start += size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, sum(sizes)]; split it with .split(self.sizes, -1)."""
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [D/2] fp32, with Llama 3 wavelength-dependent scaling."""
     dim = config.head_dim
@@ -85,14 +113,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class EagerOps:
+    """The elementwise parts of a layer as transformers writes them, in plain PyTorch.
+
+    The model runner may pass another object with these methods (kernels/backend.py's
+    fused Triton ops, which round the same way) to run them in fewer launches.
+    """
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(residual + x), residual + x); residual None on the first layer."""
+        residual = x if residual is None else residual + x
+        return norm(residual), residual
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[N, 2I] (gate then up) -> silu(gate) * up [N, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+
+EAGER_OPS = EagerOps()  # stateless
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.qkv_bias, dtype, device)
-        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias, dtype, device)
-        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias, dtype, device)
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.qkv = FusedLinear(c.hidden_size, [q_size, kv_size, kv_size], c.qkv_bias, dtype, device)
+        self.q_proj, self.k_proj, self.v_proj = self.qkv.parts
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.o_bias, dtype, device)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
@@ -101,14 +155,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: AttendFn) -> torch.Tensor:
+                attend: AttendFn, ops: EagerOps) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops.rope(q, k, cos, sin)
         o = attend(layer_idx, q, k, v)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
@@ -116,12 +171,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype, device)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype, device)
+        size = config.intermediate_size
+        self.gate_up = FusedLinear(config.hidden_size, [size, size], False, dtype, device)
+        self.gate_proj, self.up_proj = self.gate_up.parts
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: EagerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -161,14 +217,22 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """input_ids, positions [N] -> final hidden states [N, hidden] (after the last norm)."""
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                ops: EagerOps | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden states [N, hidden] (after the last norm).
+
+        The residual stream is carried beside the layer input, so that the add and the
+        next norm can be one fused op. ops: the elementwise ops (None: EagerOps)."""
+        ops = ops or EAGER_OPS
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(i, layer.input_layernorm(h), cos, sin, attend)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            x, residual = ops.add_rms_norm(x, residual, layer.input_layernorm)
+            x = layer.self_attn(i, x, cos, sin, attend, ops)
+            x, residual = ops.add_rms_norm(x, residual, layer.post_attention_layernorm)
+            x = layer.mlp(x, ops)
+        return ops.add_rms_norm(x, residual, self.model.norm)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

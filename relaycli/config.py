@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64  # sequences in flight (--max-batch)
-    max_num_batched_tokens: int = 4096  # prompt tokens one prefill step may take
+    max_num_batched_tokens: int = 8192  # prompt tokens one prefill step may take
+    min_prefill_seqs: int | None = None  # free slots that start a prefill round; None: max_num_seqs // 8
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: a share of free memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
@@ -30,5 +31,9 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.attention_impl not in ("auto", "torch", "cpu-flash", "triton"):
             raise ValueError(f"--attention-impl must be auto, torch, cpu-flash or triton, got {self.attention_impl!r}")
+        if self.min_prefill_seqs is None:
+            self.min_prefill_seqs = max(1, self.max_num_seqs // 8)
+        if not 1 <= self.min_prefill_seqs <= self.max_num_seqs:
+            raise ValueError(f"min_prefill_seqs must be in [1, {self.max_num_seqs}], got {self.min_prefill_seqs}")
         if self.max_pending_rows is None:
             self.max_pending_rows = 4 * self.max_num_seqs

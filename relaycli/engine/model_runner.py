@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kernels.backend import PagedAttention, default_impl
+from kernels.backend import PagedAttention, default_impl, layer_ops
 from kernels.metadata import AttentionMetadata, PrefixGroup
 from models.registry import LoadedModel
 from relaycli.config import EngineConfig
@@ -53,6 +53,7 @@ class ModelRunner:
                                         [(p.keys, p.values) for p in self.prefixes],
                                         "relay" if config.relay else "no-relay", impl,
                                         self.mc.head_dim ** -0.5)
+        self.layer_ops = layer_ops(impl)  # fused norm/rope/activation kernels, or None: eager
         self.sampler = Sampler(self.device)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and impl == "triton":
@@ -130,7 +131,7 @@ class ModelRunner:
             logits = self.graphs.run(seqs, key)
         else:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
-            hidden = self.model(input_ids, positions, self.attention.attend_fn(meta))
+            hidden = self.model(input_ids, positions, self.attention.attend_fn(meta), self.layer_ops)
             logits = self.model.compute_logits(hidden[last_rows])
         for seq in seqs:
             seq.num_cached_own = seq.num_own_tokens

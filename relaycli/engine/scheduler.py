@@ -2,7 +2,11 @@
 
 Each step is either a prefill step (new sequences' own prompt tokens, as many as the
 token budget and free blocks allow) or a decode step (one token for every running
-sequence). When the cache runs out during decode, the newest sequence is preempted:
+sequence). Prefills are gathered: while sequences are decoding, a prefill round starts
+only once min_prefill_seqs slots are free (or every waiting sequence fits), and then
+runs until the slots are full. A prefill step is not captured in a CUDA graph, so each
+one costs a whole eager forward pass of host time; refilling a slot the moment one
+sequence finishes would pay that once per request. When the cache runs out during decode, the newest sequence is preempted:
 its blocks are freed and it is recomputed later (its prefix is never recomputed).
 """
 
@@ -19,6 +23,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.min_prefill_seqs = config.min_prefill_seqs
+        self.is_filling = False  # a prefill round is under way: keep filling free slots
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -40,7 +46,11 @@ class Scheduler:
         """-> (sequences, is_prefill). Empty when nothing can run."""
         scheduled: list[Sequence] = []
         num_tokens = 0
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+        free = self.max_num_seqs - len(self.running)
+        if not self.is_filling and self.waiting:
+            # Start a round when enough slots are free, or when nothing else would run.
+            self.is_filling = not self.running or free >= min(self.min_prefill_seqs, len(self.waiting))
+        while self.is_filling and self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             own = seq.num_own_tokens
             if scheduled and num_tokens + own > self.max_num_batched_tokens:
@@ -55,6 +65,7 @@ class Scheduler:
         if scheduled:
             self.running.extend(scheduled)
             return scheduled, True
+        self.is_filling = False
         decode: list[Sequence] = []
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:

@@ -1,0 +1,71 @@
+"""Rotary embedding of q and k in one Triton launch (rotate-half layout, as transformers).
+
+transformers computes x * cos + rotate_half(x) * sin with each product rounded to the run
+dtype before the sum; the kernel rounds the same way, so it matches the eager model.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_heads(x_ptr, o_ptr, row, stride_x, stride_xh, stride_o, stride_oh, num_heads, c1, c2, s1, s2,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    hmask = heads[:, None] < num_heads
+    base = x_ptr + row * stride_x + heads[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=hmask, other=0.0)
+    x2 = tl.load(base + HALF, mask=hmask, other=0.0)
+    dt = x1.dtype
+    # out1 = x1*cos1 - x2*sin1, out2 = x2*cos2 + x1*sin2; each product rounded first
+    a = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+    b = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    c = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+    e = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+    obase = o_ptr + row * stride_o + heads[:, None] * stride_oh + d[None, :]
+    tl.store(obase, (a + b).to(dt), mask=hmask)
+    tl.store(obase + HALF, (c + e).to(dt), mask=hmask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, num_q_heads, num_k_heads,
+                 stride_q, stride_qh, stride_k, stride_kh, stride_c, stride_qo, stride_qoh, stride_ko, stride_koh,
+                 HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HALF)
+    # cos/sin are already in the run dtype (as transformers casts them); products in fp32
+    c1 = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + row * stride_c + HALF + d).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + row * stride_c + HALF + d).to(tl.float32)[None, :]
+    _rope_heads(q_ptr, qo_ptr, row, stride_q, stride_qh, stride_qo, stride_qoh, num_q_heads, c1, c2, s1, s2,
+                HALF, BLOCK_HQ)
+    _rope_heads(k_ptr, ko_ptr, row, stride_k, stride_kh, stride_ko, stride_koh, num_k_heads, c1, c2, s1, s2,
+                HALF, BLOCK_HK)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D], k [N, Hkv, D] (views with unit last stride are fine), cos/sin [N, D] or
+    [N, 1, D] in q's dtype -> rotated q, k, new contiguous tensors."""
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], \
+        f"q must be [N, Hq, D] and k [N, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}"
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    cos, sin = cos.reshape(n, d), sin.reshape(n, d)
+    assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0, f"head dim must be twice a power of two, got {d}"
+    assert q.dtype == k.dtype == cos.dtype == sin.dtype, "q, k, cos and sin must share a dtype"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride(), \
+        "q, k, cos and sin need a unit last stride"
+    q_out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(n, hk, d, dtype=k.dtype, device=k.device)
+    if n:
+        _rope_kernel[(n,)](
+            q, k, cos, sin, q_out, k_out, hq, hk,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4)
+    return q_out, k_out

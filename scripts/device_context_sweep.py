@@ -1,0 +1,94 @@
+"""Tile configs of the decode context kernel (with the relay fusion) at engine-like shapes.
+
+relay's decode step spends most of its attention time in the paged context kernel: each
+request reads only its own few hundred keys, so the kernel is bound by latency more than
+by bandwidth, and the tile config decides how many loads are in flight. This times the
+candidates on the shapes `relay bench e2e` meets (ShareGPT-like own contexts of 16-800
+tokens, a 2,048-token shared prefix), checks each against kernels/reference.py, and prints
+GB/s and % of copy bandwidth. Usage: python scripts/device_context_sweep.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from device_kernels import bench_us, ceilings  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels.triton_context_attention import paged_attention, paged_config  # noqa: E402
+from kernels.triton_ops import relay_attention  # noqa: E402
+from kernels.triton_system_attention import split_plan, system_attention_into, system_config  # noqa: E402
+from relaycli.bench.kernels import build_step  # noqa: E402
+
+CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+           [(16, 1, 2), (16, 2, 3), (16, 1, 4), (32, 1, 2), (32, 2, 2), (32, 1, 3), (32, 2, 3), (32, 2, 4),
+            (32, 4, 2), (32, 2, 1), (64, 2, 2), (64, 4, 2), (64, 2, 3), (64, 4, 3), (64, 4, 1), (128, 4, 2)]]
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    ceil = ceilings(dev)
+    out_dir = Path(os.environ.get("OUT") or "out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    gen = torch.Generator(device=dev)
+    gen.seed()
+    for name, (hq, hkv, d) in {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}.items():
+        for batch in (64, 256):
+            q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, 2048, 800, dev, torch.bfloat16, gen)
+            lens = torch.randint(16, 801, (batch,), generator=gen, device=dev, dtype=torch.int32)
+            meta.context_lens.copy_(lens)
+            scale = d ** -0.5
+            want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float())
+                                                                               for k, v in pre], scale)
+            # system partials as relay computes them, so only the context kernel is timed
+            s_cfg = system_config(batch * hq // hkv, d, dev, 2)
+            programs = -(-batch * hq // hkv // s_cfg["BLOCK_M"]) * hkv
+            splits, _ = split_plan(2048, programs, dev, s_cfg["BLOCK_N"], None, per_sm=s_cfg.get("per_sm", 1))
+            o_p = torch.empty(splits, batch, hq, d, device=dev, dtype=torch.float32)
+            l_p = torch.empty(splits, batch, hq, device=dev, dtype=torch.float32)
+            system_attention_into(q, pre[0][0], pre[0][1], scale, o_p, l_p, rows=meta.prefix_groups[0].query_indices,
+                                  num_splits=splits)
+            own_bytes = int(lens.sum()) * hkv * d * 2 * 2
+            io_bytes = q.numel() * 2 * 2 + o_p.numel() * 4 + l_p.numel() * 4
+            default = paged_config(hq // hkv, d, dev, 2, 800)
+            for cfg in [None] + CONFIGS:
+                for heads_fast in (False, True):
+                    c = dict(cfg or default, heads_fast=heads_fast)
+                    c.pop("per_sm", None)
+                    out = torch.empty(1, batch, hq, d, device=dev, dtype=q.dtype)
+                    fn = lambda: paged_attention(q, kc, vc, meta, scale, out=out, sys_part=(o_p, l_p),  # noqa
+                                                 config=c)
+                    try:
+                        t = bench_us(fn)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+                        print(f"{name} B={batch} {c}: {type(exc).__name__}", flush=True)
+                        continue
+                    err = ((out[0].double() - want.double()).norm() / want.double().norm()).item()
+                    gbs = (own_bytes + io_bytes) / (t * 1e-6) / 1e9
+                    row = dict(case=f"{name} B={batch}", config=c, default=cfg is None, time_us=t, gb_s=gbs,
+                               pct_copy=100 * gbs * 1e9 / ceil["copy_bytes_per_s"], rel_err=err)
+                    results.append(row)
+                    print(f"{row['case']:16s} {t:8.1f} us {gbs:7.0f} GB/s {row['pct_copy']:5.1f}% err {err:.1e} "
+                          f"{'DEFAULT ' if cfg is None else ''}{c}", flush=True)
+            full = bench_us(lambda: relay_attention(q, kc, vc, meta, pre, scale))
+            print(f"{name} B={batch}: whole relay decode attention (default) {full:.1f} us", flush=True)
+            results.append(dict(case=f"{name} B={batch}", whole_relay_us=full))
+    (out_dir / "context_sweep.json").write_text(json.dumps(dict(ceilings=ceil, rows=results), indent=1, default=str))
+    best = {}
+    for r in results:
+        if "time_us" in r and r["rel_err"] < 1e-2 and (r["case"] not in best or r["time_us"] < best[r["case"]]["time_us"]):
+            best[r["case"]] = r
+    for case, r in best.items():
+        print(f"BEST {case}: {r['time_us']:.1f} us {r['pct_copy']:.1f}% {r['config']}")
+
+
+if __name__ == "__main__":
+    main()

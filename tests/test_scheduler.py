@@ -1,0 +1,86 @@
+"""Scheduler bookkeeping (torch-free): prefill rounds are gathered, never lose a sequence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from relaycli.config import EngineConfig
+from relaycli.engine.block_manager import BlockManager
+from relaycli.engine.scheduler import Scheduler
+from relaycli.engine.sequence import SamplingOptions, Sequence
+
+
+def _seq(i: int, own: int) -> Sequence:
+    return Sequence(i, list(range(own)), SamplingOptions(max_tokens=64), 0, None)
+
+
+def _finish_some(sched: Scheduler, n: int) -> None:
+    for seq in list(sched.running)[:n]:
+        sched.finish(seq)
+
+
+def test_prefill_waits_for_min_prefill_seqs_free_slots():
+    sched = Scheduler(EngineConfig(max_num_seqs=8, min_prefill_seqs=3), BlockManager(1000, 16))
+    for i in range(20):
+        sched.add(_seq(i, 5))
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and len(seqs) == 8  # nothing running: fill every slot
+    assert not sched.schedule()[1]
+    _finish_some(sched, 2)
+    seqs, is_prefill = sched.schedule()
+    assert not is_prefill and len(seqs) == 6  # 2 free < 3: keep decoding
+    _finish_some(sched, 1)
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and [s.seq_id for s in seqs] == [8, 9, 10]
+    assert not sched.schedule()[1]
+
+
+def test_a_round_continues_past_the_token_budget_until_the_slots_are_full():
+    sched = Scheduler(EngineConfig(max_num_seqs=8, min_prefill_seqs=4, max_num_batched_tokens=10),
+                      BlockManager(1000, 16))
+    for i in range(8):
+        sched.add(_seq(i, 4))
+    sizes = []
+    while True:
+        seqs, is_prefill = sched.schedule()
+        if not is_prefill:
+            break
+        sizes.append(len(seqs))
+    assert sizes == [2, 2, 2, 2] and len(sched.running) == 8
+
+
+def test_few_waiting_sequences_start_a_round_at_once():
+    sched = Scheduler(EngineConfig(max_num_seqs=8, min_prefill_seqs=4), BlockManager(1000, 16))
+    for i in range(9):
+        sched.add(_seq(i, 3))
+    sched.schedule()
+    _finish_some(sched, 1)  # one waiting, one slot free: no reason to wait
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and [s.seq_id for s in seqs] == [8]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_finishes_lose_no_sequence(seed):
+    rng = random.Random(seed)
+    num_seqs = rng.randint(1, 16)
+    sched = Scheduler(EngineConfig(max_num_seqs=num_seqs, min_prefill_seqs=rng.randint(1, num_seqs)),
+                      BlockManager(rng.randint(40, 200), 4))
+    total = rng.randint(1, 60)
+    for i in range(total):
+        sched.add(_seq(i, rng.randint(1, 20)))
+    done: list[int] = []
+    for _ in range(10_000):
+        if sched.num_unfinished == 0:
+            break
+        seqs, is_prefill = sched.schedule()
+        assert seqs, "the scheduler must always find work while sequences are pending"
+        assert len(sched.running) <= num_seqs
+        for seq in seqs:
+            seq.output_ids.append(1)
+            seq.num_cached_own = seq.num_own_tokens
+            if not is_prefill and rng.random() < 0.2:
+                sched.finish(seq)
+                done.append(seq.seq_id)
+    assert sorted(done) == list(range(total))

@@ -1,0 +1,106 @@
+"""Fused Triton layer ops (add + RMSNorm, RoPE, silu * up) against models.llama.EagerOps.
+
+The fused ops round the way transformers does, so they must equal the eager ops: exactly
+where no reduction is involved (RoPE: products of two fp16/bf16 numbers are exact in
+fp32), to the last bit or two elsewhere. Without CUDA they run under TRITON_INTERPRET=1.
+"""
+
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+for _name in ["kernels.triton_rms_norm", "kernels.triton_rope", "kernels.triton_silu_mul"]:
+    if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+        importlib.reload(sys.modules[_name])
+
+from kernels.backend import TritonLayerOps  # noqa: E402
+from models.llama import EAGER_OPS, RMSNorm  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+# The interpreter rounds to bf16 differently from the GPU (and from PyTorch): bf16 on CUDA only.
+DTYPES = [torch.float32, torch.float16,
+          pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="bf16 rounding needs the GPU"))]
+ULP = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # relative: about one unit in the last place
+
+
+def _norm(hidden: int, dtype, rng: random.Random) -> RMSNorm:
+    norm = RMSNorm(hidden, rng.choice([1e-5, 1e-6]), dtype, DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, device=DEVICE) * 2)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_eager(dtype, with_residual):
+    rng = random.Random()
+    n, hidden = rng.randint(1, 9), rng.choice([48, 64, 96, 576])
+    x = (torch.randn(n, hidden, device=DEVICE) * rng.uniform(0.1, 20)).to(dtype)
+    residual = torch.randn(n, hidden, device=DEVICE).to(dtype) if with_residual else None
+    norm = _norm(hidden, dtype, rng)
+    want, want_res = EAGER_OPS.add_rms_norm(x, residual, norm)
+    got, got_res = TritonLayerOps().add_rms_norm(x, residual, norm)
+    assert torch.equal(got_res, want_res)  # the residual sum is rounded once, the same way
+    assert got.dtype == dtype and got.shape == want.shape
+    rel = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-3)).max().item()
+    assert rel <= 2 * ULP[dtype], rel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_equals_eager(dtype):
+    rng = random.Random()
+    n, d = rng.randint(1, 7), rng.choice([16, 32, 64])
+    kv = rng.choice([1, 2, 3])
+    hq = kv * rng.choice([1, 3, 4])
+    # q, k as column slices of one qkv matmul output, as the model passes them
+    qkv = torch.randn(n, (hq + 2 * kv) * d, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split([hq * d, kv * d, kv * d], dim=-1)
+    q, k = q.view(n, hq, d), k.view(n, kv, d)
+    pos = torch.tensor([rng.randint(0, 5000) for _ in range(n)], device=DEVICE)
+    freqs = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    want_q, want_k = EAGER_OPS.rope(q, k, cos, sin)
+    got_q, got_k = TritonLayerOps().rope(q, k, cos, sin)
+    tol = 0 if dtype != torch.float32 else 1e-6  # fp32 sums may be fused into an FMA
+    torch.testing.assert_close(got_q, want_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k, want_k, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_eager(dtype):
+    rng = random.Random()
+    n, width = rng.randint(1, 6), rng.choice([40, 128, 1536])
+    gate_up = (torch.randn(n, 2 * width, device=DEVICE) * 4).to(dtype)
+    want = EAGER_OPS.silu_mul(gate_up)
+    got = TritonLayerOps().silu_mul(gate_up)
+    rel = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-2)).max().item()
+    assert rel <= 2 * ULP[dtype], rel
+
+
+def test_model_forward_with_fused_ops_equals_eager():
+    """The tiny dummy model, fp32: the whole forward pass with fused ops equals the eager one."""
+    from kernels import reference
+    from models.registry import load_model
+    lm = load_model("dummy:tiny", dtype="float32", device=DEVICE, seed=random.randrange(1000))
+    n = 11
+    ids = torch.randint(0, lm.config.vocab_size, (n,), device=DEVICE)
+    pos = torch.arange(n, device=DEVICE)
+
+    causal = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril()[None]
+
+    def attend(layer, q, k, v):  # plain causal attention over this one sequence
+        return reference.attention_lse(q[None], k[None], v[None], lm.config.head_dim ** -0.5, causal)[0][0]
+
+    want = lm.model(ids, pos, attend)
+    got = lm.model(ids, pos, attend, TritonLayerOps())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
