@@ -1,9 +1,9 @@
 """Residual add + RMSNorm in one Triton kernel (one launch instead of about eight).
 
-Rounding follows transformers' Llama step for step, so the fused model computes the
-same function as the eager one: the residual sum is rounded to the run dtype, the norm
-is taken in fp32, the normalised row is rounded to the run dtype, then multiplied by the
-weight and rounded again.
+Rounding happens at the points where transformers' Llama rounds: the residual sum is
+rounded to the run dtype, the norm is taken in fp32, the normalised row is rounded to
+the run dtype, then multiplied by the weight and rounded again. Only the order of the
+sum of squares differs from PyTorch's, so results agree to about one unit in the last place.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / hidden
-    normed = (xf / tl.sqrt_rn(var + eps)).to(dt)
+    normed = (xf * (1.0 / tl.sqrt_rn(var + eps))).to(dt)  # x * rsqrt(var + eps), as the eager op
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dt), mask=mask)
 

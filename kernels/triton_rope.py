@@ -1,7 +1,10 @@
 """Rotary embedding of q and k in one Triton launch (rotate-half layout, as transformers).
 
 transformers computes x * cos + rotate_half(x) * sin with each product rounded to the run
-dtype before the sum; the kernel rounds the same way, so it matches the eager model.
+dtype before the sum; the kernel rounds at the same points and is compiled without
+floating-point contraction (enable_fp_fusion=False). An H200 build with contraction
+left on fused products into the sums: a quarter of its fp16/bf16 results were one
+unit in the last place off the eager model (tests/test_triton_layer_ops.py allows that).
 """
 
 from __future__ import annotations
@@ -67,5 +70,6 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
             q, k, cos, sin, q_out, k_out, hq, hk,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4)
+            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+            num_warps=8 if triton.next_power_of_2(hq) * d >= 8192 else 4, enable_fp_fusion=False)
     return q_out, k_out

@@ -216,6 +216,12 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def _apply(self, fn, recurse=True):
+        # .to()/.half()/.cuda() would copy the fused projections' part weights away from
+        # the fused tensors that the forward multiplies by: refuse instead of going wrong.
+        raise RuntimeError("relay's CausalLM cannot be moved or cast after it is built (its fused projections "
+                           "share storage); load it with the device and dtype you need")
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 ops: EagerOps | None = None) -> torch.Tensor:

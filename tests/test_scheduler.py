@@ -61,7 +61,30 @@ def test_few_waiting_sequences_start_a_round_at_once():
     assert is_prefill and [s.seq_id for s in seqs] == [8]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_cache_bound_batch_also_waits_for_room_for_a_round():
+    # 8 blocks of 16 slots; every sequence needs 2 blocks, so only 4 run although 8 may
+    sched = Scheduler(EngineConfig(max_num_seqs=8, min_prefill_seqs=2), BlockManager(8, 16))
+    for i in range(10):
+        sched.add(_seq(i, 20))
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and len(seqs) == 4
+    assert not sched.schedule()[1]  # the cache is full: decode
+    _finish_some(sched, 1)  # 2 blocks free: room for one sequence, the round needs two
+    seqs, is_prefill = sched.schedule()
+    assert not is_prefill and len(seqs) == 3
+    _finish_some(sched, 1)
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and [s.seq_id for s in seqs] == [4, 5]
+
+
+def test_min_prefill_seqs_default_and_bounds():
+    assert EngineConfig(max_num_seqs=256).min_prefill_seqs == 32
+    assert EngineConfig(max_num_seqs=4).min_prefill_seqs == 1
+    with pytest.raises(ValueError, match="min_prefill_seqs"):
+        EngineConfig(max_num_seqs=4, min_prefill_seqs=5)
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_random_finishes_lose_no_sequence(seed):
     rng = random.Random(seed)
     num_seqs = rng.randint(1, 16)

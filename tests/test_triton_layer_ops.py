@@ -1,8 +1,10 @@
 """Fused Triton layer ops (add + RMSNorm, RoPE, silu * up) against models.llama.EagerOps.
 
-The fused ops round the way transformers does, so they must equal the eager ops: exactly
-where no reduction is involved (RoPE: products of two fp16/bf16 numbers are exact in
-fp32), to the last bit or two elsewhere. Without CUDA they run under TRITON_INTERPRET=1.
+The fused ops round the way transformers does, so they must equal the eager ops to about
+one unit in the last place: the residual sum exactly, the rest within the differences of
+a reduction order, of exp, or of a product the GPU compiler contracts into the following
+sum (seen on the H200 for RoPE in fp16/bf16: 1 ulp on a quarter of the elements). Without
+CUDA they run under TRITON_INTERPRET=1.
 """
 
 import importlib
@@ -32,6 +34,15 @@ DTYPES = [torch.float32, torch.float16,
 ULP = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # relative: about one unit in the last place
 
 
+@pytest.fixture
+def rng():
+    """Fresh draws every run; the seed is printed, so a failure can be replayed."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    return random.Random(seed)
+
+
 def _norm(hidden: int, dtype, rng: random.Random) -> RMSNorm:
     norm = RMSNorm(hidden, rng.choice([1e-5, 1e-6]), dtype, DEVICE)
     with torch.no_grad():
@@ -41,9 +52,8 @@ def _norm(hidden: int, dtype, rng: random.Random) -> RMSNorm:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_equals_eager(dtype, with_residual):
-    rng = random.Random()
-    n, hidden = rng.randint(1, 9), rng.choice([48, 64, 96, 576])
+def test_add_rms_norm_equals_eager(dtype, with_residual, rng):
+    n, hidden = rng.randint(1, 9), rng.choice([48, 64, 96, 576, 4096])
     x = (torch.randn(n, hidden, device=DEVICE) * rng.uniform(0.1, 20)).to(dtype)
     residual = torch.randn(n, hidden, device=DEVICE).to(dtype) if with_residual else None
     norm = _norm(hidden, dtype, rng)
@@ -56,11 +66,11 @@ def test_add_rms_norm_equals_eager(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_equals_eager(dtype):
-    rng = random.Random()
-    n, d = rng.randint(1, 7), rng.choice([16, 32, 64])
-    kv = rng.choice([1, 2, 3])
-    hq = kv * rng.choice([1, 3, 4])
+@pytest.mark.parametrize("heads", [None, (32, 8)])
+def test_rope_equals_eager(dtype, heads, rng):
+    n, d = rng.randint(1, 7), rng.choice([16, 32, 64] if heads is None else [128])
+    kv = rng.choice([1, 2, 3]) if heads is None else heads[1]
+    hq = kv * rng.choice([1, 3, 4]) if heads is None else heads[0]
     # q, k as column slices of one qkv matmul output, as the model passes them
     qkv = torch.randn(n, (hq + 2 * kv) * d, device=DEVICE).to(dtype)
     q, k, _ = qkv.split([hq * d, kv * d, kv * d], dim=-1)
@@ -71,14 +81,15 @@ def test_rope_equals_eager(dtype):
     cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
     want_q, want_k = EAGER_OPS.rope(q, k, cos, sin)
     got_q, got_k = TritonLayerOps().rope(q, k, cos, sin)
-    tol = 0 if dtype != torch.float32 else 1e-6  # fp32 sums may be fused into an FMA
-    torch.testing.assert_close(got_q, want_q, rtol=tol, atol=tol)
-    torch.testing.assert_close(got_k, want_k, rtol=tol, atol=tol)
+    # one unit in the last place at the largest magnitude (cancellation makes relative error useless)
+    for got, want, x in ((got_q, want_q, q), (got_k, want_k, k)):
+        ulp = torch.finfo(dtype).eps * 2 * x.abs().max().item()
+        assert (got.double() - want.double()).abs().max().item() <= ulp
+        assert (got != want).float().mean().item() < 0.5  # mostly bit-identical
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_equals_eager(dtype):
-    rng = random.Random()
+def test_silu_mul_equals_eager(dtype, rng):
     n, width = rng.randint(1, 6), rng.choice([40, 128, 1536])
     gate_up = (torch.randn(n, 2 * width, device=DEVICE) * 4).to(dtype)
     want = EAGER_OPS.silu_mul(gate_up)
@@ -87,11 +98,11 @@ def test_silu_mul_equals_eager(dtype):
     assert rel <= 2 * ULP[dtype], rel
 
 
-def test_model_forward_with_fused_ops_equals_eager():
+def test_model_forward_with_fused_ops_equals_eager(rng):
     """The tiny dummy model, fp32: the whole forward pass with fused ops equals the eager one."""
     from kernels import reference
     from models.registry import load_model
-    lm = load_model("dummy:tiny", dtype="float32", device=DEVICE, seed=random.randrange(1000))
+    lm = load_model("dummy:tiny", dtype="float32", device=DEVICE, seed=rng.randrange(1000))
     n = 11
     ids = torch.randint(0, lm.config.vocab_size, (n,), device=DEVICE)
     pos = torch.arange(n, device=DEVICE)

@@ -137,6 +137,9 @@ def plot_throughput(reports: list[dict], path: Path) -> None:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.set_xscale("symlog", linthresh=256)
+        lengths = sorted({r["system_tokens"] for r in rows})
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])  # symlog puts no labels between decades
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("system prompt (tokens)")
         if rep["kind"] == "e2e":
             ax.set_ylabel("generated tokens / s")

@@ -70,8 +70,11 @@ class ModelRunner:
             budget = config.kv_cache_gb * 1024**3
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest prefill step and the logits.
-            reserve = 2 * 1024**3
+            # Leave room for the activations of the largest prefill step (hidden states,
+            # q/k/v, the MLP's gate/up and its product, in the run dtype) and the logits.
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            per_token = 4 * self.mc.hidden_size + 3 * self.mc.intermediate_size
+            reserve = 2 * 1024**3 + config.max_num_batched_tokens * per_token * elem
             budget = max(free * config.kv_cache_memory_fraction - reserve, per_block)
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -3,10 +3,10 @@
 Each step is either a prefill step (new sequences' own prompt tokens, as many as the
 token budget and free blocks allow) or a decode step (one token for every running
 sequence). Prefills are gathered: while sequences are decoding, a prefill round starts
-only once min_prefill_seqs slots are free (or every waiting sequence fits), and then
-runs until the slots are full. A prefill step is not captured in a CUDA graph, so each
-one costs a whole eager forward pass of host time; refilling a slot the moment one
-sequence finishes would pay that once per request. When the cache runs out during decode, the newest sequence is preempted:
+only once min_prefill_seqs waiting sequences fit the free slots and blocks (or every
+waiting sequence does), and then runs until the slots are full. A prefill step is not
+captured in a CUDA graph, so each one costs a whole eager forward pass of host time;
+refilling a slot the moment one sequence finishes would pay that once per request. When the cache runs out during decode, the newest sequence is preempted:
 its blocks are freed and it is recomputed later (its prefix is never recomputed).
 """
 
@@ -46,10 +46,8 @@ class Scheduler:
         """-> (sequences, is_prefill). Empty when nothing can run."""
         scheduled: list[Sequence] = []
         num_tokens = 0
-        free = self.max_num_seqs - len(self.running)
         if not self.is_filling and self.waiting:
-            # Start a round when enough slots are free, or when nothing else would run.
-            self.is_filling = not self.running or free >= min(self.min_prefill_seqs, len(self.waiting))
+            self.is_filling = self._round_can_start()
         while self.is_filling and self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             own = seq.num_own_tokens
@@ -79,6 +77,18 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 decode.append(seq)
         return decode, False
+
+    def _round_can_start(self) -> bool:
+        """A round starts when nothing else would run, or when the next min_prefill_seqs
+        waiting sequences (all of them, if fewer wait) fit both the free slots and the
+        free KV blocks: a cache-bound batch must not refill one sequence at a time."""
+        if not self.running:
+            return True
+        want = min(self.min_prefill_seqs, len(self.waiting))
+        if self.max_num_seqs - len(self.running) < want:
+            return False
+        blocks = sum(self.block_manager.blocks_for(self.waiting[i].num_own_tokens) for i in range(want))
+        return blocks <= self.block_manager.num_free_blocks
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
