@@ -4,12 +4,14 @@ device script checks graphed against eager generation on the GPU.)"""
 
 import random
 
+import numpy as np
+import pytest
 import torch
 
 from models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
-from relaycli.engine.cuda_graph import DecodeGraphs
+from relaycli.engine.cuda_graph import DecodeGraphs, pack_block_tables
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
 
@@ -42,3 +44,17 @@ def test_static_buffers_match_the_eager_decode_step():
         for s, t in zip(seqs, eager.argmax(-1).tolist()):
             s.num_cached_own = s.num_own_tokens
             s.output_ids.append(t)
+
+
+def test_pack_block_tables_equals_padded_lists():
+    rng = random.Random()
+    out = np.empty((16, 40), dtype=np.int32)
+    for _ in range(20):
+        width = rng.randint(1, 40)
+        tables = [[rng.randrange(10**6) for _ in range(rng.randint(0, width))] for _ in range(rng.randint(0, 16))]
+        fill = rng.randrange(10**6)
+        got = pack_block_tables(tables, width, fill, out)
+        want = [t + [fill] * (width - len(t)) for t in tables]
+        assert got.shape == (len(tables), width) and got.tolist() == want
+    with pytest.raises(ValueError, match="more than the 3 columns"):
+        pack_block_tables([[1, 2, 3, 4]], 3, 0, out)
