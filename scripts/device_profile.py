@@ -1,8 +1,10 @@
 """Where a decode step's time goes: host preparation, model forward, sampling.
 
 Runs a dummy model with a shared prefix, lets the batch reach steady decode, then
-profiles a few decode steps with torch.profiler. Usage:
-  python scripts/device_profile.py [--preset llama2-7b] [--prefix 2048] [--batch 256]
+profiles a few decode steps with torch.profiler: the eager step by default, or with
+--graphed the step the engine runs (buffers filled, CUDA graph replayed, sampled).
+Usage:
+  python scripts/device_profile.py [--preset llama2-7b] [--prefix 2048] [--batch 256] [--graphed]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--relay", type=int, default=1)
+    ap.add_argument("--graphed", action="store_true", help="profile the engine's graphed step instead")
     args = ap.parse_args()
     rng = random.Random(0)
     lm = load_model(f"dummy:{args.preset}", dtype="bfloat16", device="cuda")
@@ -62,6 +65,27 @@ def main() -> None:
             s.output_ids.append(t)
         return t1 - t0, t2 - t1, t3 - t2
 
+    def graphed_step():
+        seqs, is_prefill = eng.scheduler.schedule()
+        assert not is_prefill
+        key = runner.graphs.key(seqs)
+        t0 = time.perf_counter()
+        runner.graphs._fill(seqs, key[0], key[1])
+        t1 = time.perf_counter()
+        logits = runner.graphs.run(seqs, key)  # fills again (cheap), then replays
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        for s in seqs:
+            s.num_cached_own = s.num_own_tokens
+        for s, t in zip(seqs, runner.sampler.sample(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])):
+            s.output_ids.append(t)
+        return t1 - t0, t2 - t1, t3 - t2
+
+    if args.graphed:
+        assert runner.graphs is not None, "CUDA graphs need CUDA and the triton attention impl"
+        decode_step = graphed_step  # noqa: F811
+        print("graphed: the columns below are fill buffers / fill + replay launch / wait for GPU")
     for _ in range(5):
         decode_step()
     times = [decode_step() for _ in range(10)]

@@ -294,3 +294,13 @@ def test_dummy_tiny_builds_and_runs():
     hidden = loaded.model(torch.arange(5), torch.arange(5), attend)
     logits = loaded.model.compute_logits(hidden)
     assert hidden.shape == (5, 64) and logits.shape == (5, 512) and torch.isfinite(logits).all()
+
+
+def test_a_built_model_refuses_to_be_moved_or_cast():
+    """Its fused projections share storage with their parts; .to() would split them apart."""
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu")
+    for move in (lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.to("cpu")):
+        with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+            move(lm.model)
+    attn = lm.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[attn.qkv.sizes[0]:].data_ptr()
