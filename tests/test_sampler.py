@@ -56,6 +56,20 @@ def test_draws_follow_the_filtered_distribution():
         assert abs(counts.get(i, 0) / n - p) < 5 * se + 1e-3, (i, counts.get(i, 0) / n, p)
 
 
+def test_temperature_only_draws_follow_the_softmax():
+    """No top-k/top-p: the sampler skips the sort; the draw is still exact."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -2.0])
+    opt = SamplingOptions(max_tokens=1, temperature=1.3, seed=random.randrange(10**6))
+    want = torch.softmax(logits / 1.3, 0).tolist()
+    sampler = Sampler(torch.device("cpu"))
+    n = 20000
+    counts = [0] * 5
+    for _ in range(n):
+        counts[sampler.sample(logits[None], [3], [opt])[0]] += 1
+    for i, p in enumerate(want):
+        assert abs(counts[i] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (i, counts[i] / n, p)
+
+
 def test_batch_rows_are_independent_and_greedy_rows_argmax():
     torch.manual_seed(random.randrange(10**6))
     logits = torch.randn(5, 300)

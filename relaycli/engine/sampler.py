@@ -55,11 +55,14 @@ class Sampler:
             vocab = logits.shape[-1]
             dev = logits.device
             picked = [options[i] for i in rows]
-            log_p = filter_logits(
-                logits[rows],
-                torch.tensor([o.temperature for o in picked], dtype=logits.dtype, device=dev),
-                torch.tensor([min(o.top_k or vocab, vocab) for o in picked], dtype=torch.int64, device=dev),
-                torch.tensor([o.top_p for o in picked], dtype=logits.dtype, device=dev))
+            temperature = torch.tensor([o.temperature for o in picked], dtype=logits.dtype, device=dev)
+            if any((o.top_k or vocab) < vocab or o.top_p < 1.0 for o in picked):
+                log_p = filter_logits(
+                    logits[rows], temperature,
+                    torch.tensor([min(o.top_k or vocab, vocab) for o in picked], dtype=torch.int64, device=dev),
+                    torch.tensor([o.top_p for o in picked], dtype=logits.dtype, device=dev))
+            else:  # temperature only: no sort over the vocabulary
+                log_p = torch.log_softmax(logits[rows] / temperature[:, None], dim=-1)
             u = torch.stack([torch.rand(vocab, generator=self.generator(seq_ids[i], options[i].seed), device=dev)
                              for i in rows])
             gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
