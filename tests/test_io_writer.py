@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import relaycli.io.parts as parts_mod
 import relaycli.io.writer as writer_mod
 from relaycli.io.requests import ResultRow
 from relaycli.io.writer import OUTPUT_COLUMNS, OutputError, ResultWriter
@@ -190,7 +191,7 @@ def test_resume_after_abandoned_writer_and_stray_temp_file(tmp_path):
     del w  # abandoned without close or finalize, as SIGKILL would leave it
     folder = out.with_name("o.parquet.parts")
     # A part killed between write and rename: whole on disk, but never done.
-    stray = writer_mod._rows_table([vars(result(1)), vars(result(3))])
+    stray = parts_mod.rows_table([vars(result(1)), vars(result(3))])
     pq.write_table(stray, folder / ".tmp-part-999.parquet")
     (tmp_path / ".tmp-o.parquet").write_bytes(b"half an output")
     w = ResultWriter(out, resume=True)

@@ -12,36 +12,23 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import heapq
-import itertools
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from relaycli.io.parts import (OUTPUT_COLUMNS, OUTPUT_SCHEMA, PART_SCHEMA, TMP, merge_parts,  # noqa: F401
+                               rows_table, write_atomically, write_parquet)
 from relaycli.io.requests import OPENAI_URLS, ResultRow
 
-OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error")
-OUTPUT_SCHEMA = pa.schema([
-    pa.field("id", pa.string(), nullable=False), pa.field("text", pa.string(), nullable=False),
-    pa.field("finish_reason", pa.string(), nullable=False),
-    pa.field("prompt_tokens", pa.int64(), nullable=False), pa.field("cached_tokens", pa.int64(), nullable=False),
-    pa.field("completion_tokens", pa.int64(), nullable=False), pa.field("error", pa.string()),
-])
-# Parts also keep the row index (for ordering and resume) and the OpenAI url (for its output shape).
-_PART_SCHEMA = pa.schema([pa.field("row_index", pa.int64(), nullable=False), *OUTPUT_SCHEMA,
-                          pa.field("url", pa.string())])
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
-_TMP = ".tmp-"  # prefix of every file not yet renamed into place; never a finished part
 _FAN_IN = 64  # parts merged at once: bounds open files and the memory of the merge
-_READ_ROWS = 512  # rows a part reader holds at once during the merge
-_WRITE_ROWS = 4096  # rows per Parquet batch of the output
 
 
 class OutputError(Exception):
@@ -57,60 +44,6 @@ def output_format(path: str | Path, fmt: str | None = None) -> str:
     if suffix not in _SUFFIXES:
         raise OutputError(f"cannot tell the output format of {path} from its extension; name it .parquet or .jsonl")
     return _SUFFIXES[suffix]
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename itself is only durable once the folder entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, write) -> None:
-    """write(file) into a temp sibling, fsync, rename onto path: readers see all or nothing."""
-    tmp = path.with_name(f"{_TMP}{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _rows_table(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pydict({f.name: [r[f.name] for r in rows] for f in _PART_SCHEMA}, schema=_PART_SCHEMA)
-
-
-def _read_part(path: Path) -> Iterator[dict]:
-    with pq.ParquetFile(path) as pf:
-        for batch in pf.iter_batches(batch_size=_READ_ROWS):
-            yield from batch.to_pylist()
-
-
-def _merge(paths: Iterable[Path]) -> Iterator[dict]:
-    """Rows of sorted parts in row order; a row found in two parts (a crash mid-merge) once."""
-    last = -1
-    for row in heapq.merge(*(_read_part(p) for p in paths), key=lambda r: r["row_index"]):
-        if row["row_index"] != last:
-            last = row["row_index"]
-            yield row
-
-
-def _batches(rows: Iterator[dict], size: int) -> Iterator[list[dict]]:
-    while batch := list(itertools.islice(rows, size)):
-        yield batch
-
-
-def _write_parquet(f, rows: Iterator[dict], schema: pa.Schema) -> None:
-    with pq.ParquetWriter(f, schema) as w:
-        for batch in _batches(rows, _WRITE_ROWS):
-            w.write_table(pa.Table.from_pydict({n: [r[n] for r in batch] for n in schema.names}, schema=schema))
 
 
 def _openai_line(row: dict, model: str, created: int) -> dict:
@@ -185,14 +118,14 @@ class ResultWriter:
         if self.out_path.is_dir():
             raise OutputError(f"the output path {self.out_path} is a folder; give a file name")
         try:
-            fd, probe = tempfile.mkstemp(prefix=_TMP + "probe-", dir=parent)
+            fd, probe = tempfile.mkstemp(prefix=TMP + "probe-", dir=parent)
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
             raise OutputError(f"cannot write to the output folder {parent} ({e.strerror})") from None
 
     def _recover(self) -> None:
-        for leftover in self.out_path.parent.glob(f"{_TMP}{self.out_path.name}"):
+        for leftover in self.out_path.parent.glob(f"{TMP}{self.out_path.name}"):
             leftover.unlink()  # an OUT that a crash stopped mid-write
         if self.out_path.exists():
             self.complete_rows = _count_rows(self.out_path, self.fmt)
@@ -201,7 +134,7 @@ class ResultWriter:
         if not self.parts_dir.is_dir():
             return
         for path in sorted(self.parts_dir.iterdir()):
-            if path.name.startswith(_TMP):
+            if path.name.startswith(TMP):
                 path.unlink()  # never renamed into place, so never counted as done
                 continue
             try:
@@ -238,7 +171,7 @@ class ResultWriter:
         if not self._buffer:
             return
         rows = sorted((vars(r) for r in self._buffer), key=lambda r: r["row_index"])
-        table = _rows_table(rows)
+        table = rows_table(rows)
         self.parts_dir.mkdir(exist_ok=True)
         self._write_part(lambda f: pq.write_table(table, f))
         self._buffer.clear()
@@ -247,13 +180,13 @@ class ResultWriter:
         # time_ns + pid keeps names unique across resumed runs without reading the folder.
         self._seq += 1
         path = self.parts_dir / f"part-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.parquet"
-        _write_atomically(path, write)
+        write_atomically(path, write)
         return path
 
     def _parts(self) -> list[Path]:
         if not self.parts_dir.is_dir():
             return []
-        return sorted(p for p in self.parts_dir.iterdir() if p.suffix == ".parquet" and not p.name.startswith(_TMP))
+        return sorted(p for p in self.parts_dir.iterdir() if p.suffix == ".parquet" and not p.name.startswith(TMP))
 
     def _reduce(self, parts: list[Path]) -> list[Path]:
         """Merge rounds of _FAN_IN parts until one k-way merge can take them all."""
@@ -263,7 +196,7 @@ class ResultWriter:
                 group = parts[i:i + _FAN_IN]
                 # The merged part lands before its sources go: a crash between leaves
                 # duplicates, which _merge and resume both collapse to one.
-                merged.append(self._write_part(lambda f, g=group: _write_parquet(f, _merge(g), _PART_SCHEMA)))
+                merged.append(self._write_part(lambda f, g=group: write_parquet(f, merge_parts(g), PART_SCHEMA)))
                 for p in group:
                     p.unlink()
             parts = merged
@@ -291,15 +224,15 @@ class ResultWriter:
                                   f"{num_rows}; it belongs to another job: remove it")
         else:
             self.flush()
-            rows = self._checked(_merge(self._reduce(self._parts())), num_rows)
-            _write_atomically(self.out_path, lambda f: self._write_output(f, rows))
+            rows = self._checked(merge_parts(self._reduce(self._parts())), num_rows)
+            write_atomically(self.out_path, lambda f: self._write_output(f, rows))
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         self._finalized = True
         self._unlock(remove=True)
 
     def _write_output(self, f, rows: Iterator[dict]) -> None:
         if self.fmt == "parquet":
-            _write_parquet(f, rows, OUTPUT_SCHEMA)
+            write_parquet(f, rows, OUTPUT_SCHEMA)
             return
         created = int(time.time())
         for row in rows:
