@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from kernels import cpu_flash
+from kernels.backend import default_impl
 from kernels.reference import attention_lse
 from models.registry import LoadedModel
 from relaycli.artifact import Artifact, ArtifactError, dtype_name, read_artifact, save_artifact
@@ -83,8 +84,7 @@ def prefill_kv(loaded: LoadedModel, token_ids: list[int], chunk_size: int = 512,
     keys = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_hidden_layers)]
     values = [torch.empty_like(k) for k in keys]
     scale = cfg.head_dim ** -0.5
-    fused = model.device.type == "cpu" and cpu_flash.is_available()
-    attend_lse = cpu_flash.fused_attention_lse if fused else attention_lse
+    attend_lse = cpu_flash.fused_attention_lse if default_impl(model.device) == "cpu-flash" else attention_lse
     ids = torch.tensor(token_ids, dtype=torch.int64, device=model.device)
     for start in range(0, num, chunk_size):
         end = min(start + chunk_size, num)

@@ -19,14 +19,14 @@ import gc
 import json
 import os
 import random
-import time
 from pathlib import Path
 
 import torch
 
 from models.registry import load_model
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids
-from relaycli.bench.e2e import hf_twin
+from relaycli.bench.e2e import hf_twin, run_engine
+from relaycli.bench.workloads import RequestShape
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
@@ -147,44 +147,22 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
 
 def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int,
                max_batch: int, dtype: str, systems=(("relay", True), ("no-relay", True))) -> list[dict]:
+    """relay bench's measured engine run (warm-up first) for each (system, CUDA graphs on?)."""
     rng = random.Random(1)
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     # Throughput does not depend on weight values; let a 4k-context preset hold long prompts.
     lm.config.max_position_embeddings = max(lm.config.max_position_embeddings, prefix_tokens + 1024)
-    prefix = dummy_prefix(lm, prefix_tokens, rng)
-    own = [rng.randint(16, 256) for _ in range(num_requests)]
+    prefix = dummy_prefix(lm, prefix_tokens, rng) if prefix_tokens else None
+    shapes = [RequestShape(rng.randint(16, 256), max_tokens) for _ in range(num_requests)]
+    own_ids = [[rng.randrange(lm.config.vocab_size) for _ in range(r.input_len)] for r in shapes]
     rows = []
     for name, graphs in systems:
-        relay = name.startswith("relay")
-        reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(n)],
-                             SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
-                             prefix_slot=0 if prefix_tokens else None) for i, n in enumerate(own)]
-        eng = Engine(lm, [prefix] if prefix_tokens else [], EngineConfig(max_num_seqs=max_batch, relay=relay,
-                                                                         max_num_batched_tokens=16384,
-                                                                         cuda_graphs=graphs))
-        # Warm-up on the same engine: kernel compilation and graph capture are paid once
-        # a process, not per job, so they stay out of the measured run.
-        warm = [TokenRequest(r.row_index, r.id, r.prompt_ids, SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
-                             r.prefix_slot) for r in reqs[:max_batch]]
-        sum(1 for _ in eng.generate_tokens(warm))
-        eng.stats = type(eng.stats)()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        n_out = sum(1 for _ in eng.generate_tokens(reqs))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        st = eng.stats
-        rows.append({"preset": preset, "prefix": prefix_tokens, "system": name,
-                     "requests": n_out, "seconds": elapsed, "gen_tok_s": st.completion_tokens / elapsed,
-                     "req_s": n_out / elapsed, "decode_step_ms": 1000 * st.decode_seconds / max(st.decode_steps, 1),
-                     "prefill_s": st.prefill_seconds, "impl": eng.runner.attention_impl})
+        run = run_engine(lm, prefix, shapes, own_ids, max_batch, name.startswith("relay"), None, cuda_graphs=graphs)
+        rows.append({"preset": preset, "prefix": prefix_tokens, "system": name, "requests": run["requests"],
+                     "seconds": run["seconds"], "gen_tok_s": run["generated_tokens"] / run["seconds"],
+                     "req_s": run["requests"] / run["seconds"], "decode_step_ms": 1000 * (run["decode_step_s"] or 0),
+                     "prefill_s": run["prefill_s"], "impl": run["attention_impl"]})
         print(rows[-1], flush=True)
-        del eng
-        gc.collect()  # the runner and its graphs hold each other: free the KV cache now
-        if device == "cuda":
-            torch.cuda.empty_cache()
     base = next(r for r in rows if r["system"] == "no-relay")
     for r in rows:
         r["speedup"] = r["gen_tok_s"] / max(base["gen_tok_s"], 1e-9)

@@ -37,6 +37,7 @@ from kernels.triton_paged_decode import prefix_paged_attention as baseline  # no
 from kernels.triton_system_attention import (merge_partials, split_plan, system_attention_into,  # noqa: E402
                                              system_config)
 from relaycli.bench.kernels import build_step  # noqa: E402
+from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=1 if m == 128 else 2, tma=t)
@@ -79,13 +80,9 @@ def eager_us(fn) -> float:
 
 
 def ceilings(dev) -> dict:
-    src = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 2 / (eager_us(lambda: dst.copy_(src)) * 1e-6)
-    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    mm = 2 * 8192 ** 3 / (eager_us(lambda: a @ b) * 1e-6)
-    del src, dst, a, b
-    return dict(copy_bytes_per_s=copy_bw, bf16_flops_per_s=mm)
+    """relay bench's ceilings (best of 5: a 1 GiB bf16 copy, an 8192^3 bf16 matmul)."""
+    ceil = measure_ceilings(dev, torch.bfloat16)
+    return dict(copy_bytes_per_s=ceil.bandwidth, bf16_flops_per_s=ceil.matmul_rate)
 
 
 def build(hq, hkv, d, batch, prefix, own, dev, page=16, dtype=torch.bfloat16):

@@ -66,13 +66,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _free(device: torch.device) -> None:
-    gc.collect()  # the runner and its CUDA graphs hold each other
+    gc.collect()  # free the engine's KV cache before the next engine sizes its own
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
-               max_batch: int, relay: bool, kv_cache_gb: float | None) -> dict:
+               max_batch: int, relay: bool, kv_cache_gb: float | None, cuda_graphs: bool = True) -> dict:
     """One measured run of the engine after a warm-up on the same engine: the first
     max_batch requests with outputs cut to 128 tokens (4 on CPU), so kernel compilation
     and most CUDA-graph captures are paid once a process, as in a long job."""
@@ -86,7 +86,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
                              prefix_slot=slot) for i, r in enumerate(shapes[:count])]
 
     engine = Engine(lm, [prefix] if prefix else [],
-                    EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb),
+                    EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs),
                     record_token_ids=True)
     warm = requests(128 if dev.type == "cuda" else 4, min(len(shapes), max_batch))
     sum(1 for _ in engine.generate_tokens(warm))

@@ -78,7 +78,7 @@ class DecodeGraphs:
             i = s.num_own_tokens - 1
             ids.append(s.last_token)
             pos.append(s.num_prefix_tokens + i)
-            slots.append(s.block_table[i // bsz] * bsz + i % bsz)
+            slots.append(s.slot(i, bsz))
             lens.append(s.num_own_tokens)
         tables = pack_block_tables([s.block_table for s in seqs], width, self.scratch_block, self.host_tables)
         self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)

@@ -61,8 +61,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, scratch_block=self.num_blocks)
 
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim * elem
+        return (2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim
+                * self.dtype.itemsize)
 
     def _num_blocks(self, config: EngineConfig) -> int:
         per_block = self.bytes_per_block()
@@ -72,18 +72,13 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for the activations of the largest prefill step (hidden states,
             # q/k/v, the MLP's gate/up and its product, in the run dtype) and the logits.
-            elem = torch.empty((), dtype=self.dtype).element_size()
             per_token = 4 * self.mc.hidden_size + 3 * self.mc.intermediate_size
-            reserve = 2 * 1024**3 + config.max_num_batched_tokens * per_token * elem
+            reserve = 2 * 1024**3 + config.max_num_batched_tokens * per_token * self.dtype.itemsize
             budget = max(free * config.kv_cache_memory_fraction - reserve, per_block)
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(_CPU_DEFAULT_KV_GB * 1024**3, 0.25 * avail)
         return max(int(budget // per_block) - 1, 1)
-
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [seq.block_table[i // bs] * bs + i % bs for i in range(start, end)]
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         """-> input_ids [N], positions [N], metadata, rows of the last query of each sequence."""
@@ -97,7 +92,7 @@ class ModelRunner:
             # A decode step needs only the last token: no copy of the whole sequence per step.
             input_ids.extend(seq.own_ids()[start:end] if is_prefill else [seq.last_token])
             positions.extend(range(seq.num_prefix_tokens + start, seq.num_prefix_tokens + end))
-            slots.extend(self._slots(seq, start, end))
+            slots.extend(seq.slot(i, self.block_size) for i in range(start, end))
             cu.append(cu[-1] + end - start)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]

@@ -6,8 +6,9 @@ sequence). Prefills are gathered: while sequences are decoding, a prefill round 
 only once min_prefill_seqs waiting sequences fit the free slots and blocks (or every
 waiting sequence does), and then runs until the slots are full. A prefill step is not
 captured in a CUDA graph, so each one costs a whole eager forward pass of host time;
-refilling a slot the moment one sequence finishes would pay that once per request. When the cache runs out during decode, the newest sequence is preempted:
-its blocks are freed and it is recomputed later (its prefix is never recomputed).
+refilling a slot the moment one sequence finishes would pay that once per request.
+When the cache runs out during decode, the newest sequence is preempted: its blocks
+are freed and it is recomputed later (its prefix is never recomputed).
 """
 
 from __future__ import annotations

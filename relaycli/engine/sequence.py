@@ -67,6 +67,10 @@ class Sequence:
     def num_completion_tokens(self) -> int:
         return len(self.output_ids)
 
+    def slot(self, i: int, block_size: int) -> int:
+        """Flat paged-cache slot of own token i (its block from block_table, then its offset)."""
+        return self.block_table[i // block_size] * block_size + i % block_size
+
     def own_ids(self) -> list[int]:
         return self.prompt_ids[self.num_prefix_tokens:] + self.output_ids
 
