@@ -184,12 +184,16 @@ def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
     Time is modelled as waves * keys per program, waves = ceil(programs * splits / slots)
     with per_sm resident programs per multiprocessor, plus 64 keys' worth per split for
     writing and merging its partial: a batch that already fills the chip stays unsplit.
+    Only powers of two are chosen: the relay epilogue unrolls over the system splits, so
+    each distinct count is another compiled kernel, and a job's prefill steps (all
+    sizes) would otherwise compile new variants while it runs.
     """
     if num_splits is None:
         slots = num_sms(device) * per_sm
         most = max(1, num_keys // min_keys) if programs < slots else 1
+        candidates = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
         cost = [(math.ceil(programs * s / slots) * math.ceil(num_keys / s / block_n) * block_n + 64 * s, s)
-                for s in range(1, most + 1)]
+                for s in candidates]
         num_splits = min(cost)[1]
     num_splits = max(1, min(num_splits, max(num_keys, 1)))
     per = math.ceil(max(num_keys, 1) / num_splits)

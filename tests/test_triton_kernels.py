@@ -213,3 +213,18 @@ def test_gpu_system_attention_large(dtype):
     want_o, want_lse = ref.system_attention(q.float(), k.float(), v.float(), 128 ** -0.5)
     assert rel_err(o, want_o) < TOL[dtype]
     assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
+    from kernels.triton_system_attention import split_plan
+    dev = torch.device("cpu")  # num_sms: 2 without CUDA, so 16 slots at per_sm=8
+    seen = set()
+    for programs in range(1, 17):
+        for keys in (1, 100, 256, 1000, 5000, 20000):
+            splits, per = split_plan(keys, programs, dev, 64, per_sm=8)
+            assert splits & (splits - 1) == 0, (programs, keys, splits)
+            assert per % 64 == 0 and splits * per >= keys
+            seen.add(splits)
+    assert len(seen) > 3  # small batches over long prefixes really split
+    assert split_plan(20000, 64, dev, 64) == (1, 20032)  # programs fill every slot: no split
+    assert split_plan(1000, 1, dev, 64, num_splits=3)[0] == 3  # a forced count is kept

@@ -91,6 +91,9 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     warm = requests(128 if dev.type == "cuda" else 4, min(len(shapes), max_batch))
     sum(1 for _ in engine.generate_tokens(warm))
     engine.stats = EngineStats()
+    graphs = engine.runner.graphs
+    captures_before = (graphs.num_captures, graphs.capture_seconds) if graphs else (0, 0.0)
+    variants_before = triton_variants()
     reqs = requests()
     _sync(dev)
     start = time.perf_counter()
@@ -107,11 +110,38 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "decode_queries": sum(r.output_len - 1 for r in shapes),
            "decode_context_sum": sum(decode_context_sum(r.input_len, r.output_len) for r in shapes),
            "attention_impl": engine.runner.attention_impl,
-           "cuda_graph_replays": engine.runner.graphs.num_replays if engine.runner.graphs else 0,
+           "cuda_graph_replays": graphs.num_replays if graphs else 0,
+           # paid inside the timed run: what a longer warm-up (or a longer job) would not pay
+           "graph_captures_in_run": graphs.num_captures - captures_before[0] if graphs else 0,
+           "graph_capture_s_in_run": graphs.capture_seconds - captures_before[1] if graphs else 0.0,
+           "kernel_compiles_in_run": (None if variants_before is None else triton_variants() - variants_before),
+           "decode_step_p50_s": st.as_dict()["decode_step_p50_seconds"],
+           "prefill_tokens": st.prefill_tokens,
            "_ids": engine.token_ids_by_row, **ttft_stats(st.ttft_seconds)}
     del engine
     _free(dev)
     return out
+
+
+def triton_variants() -> int | None:
+    """How many Triton kernel variants relay's kernel modules have compiled in this
+    process (None where Triton is absent or keeps its caches elsewhere)."""
+    import sys
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("kernels.triton_") or module is None:
+            continue
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                caches = getattr(fn, "device_caches", None)
+                if caches is None:
+                    return None
+                total += sum(len(entry[0]) for entry in caches.values())
+    return total
 
 
 def hf_twin(lm: LoadedModel):

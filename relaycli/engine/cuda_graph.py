@@ -14,6 +14,7 @@ lazily per (batch bucket, context bucket, prefix slot) on static input buffers:
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import torch
@@ -53,6 +54,8 @@ class DecodeGraphs:
         self.pool = None
         self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
         self.num_replays = 0
+        self.num_captures = 0
+        self.capture_seconds = 0.0  # warm-up forward, kernel compiles and captures of new keys
 
     def key(self, seqs: list[Sequence]) -> tuple[int, int, int | None] | None:
         """The graph that can run this step, or None (mixed prefixes, too large)."""
@@ -115,6 +118,7 @@ class DecodeGraphs:
         self._fill(seqs, bs, ctx)
         entry = self.graphs.get(key)
         if entry is None:
+            started = time.perf_counter()
             meta = self._meta(bs, ctx, slot)
             # Eager warm-up compiles the kernels; a first, discarded capture compiles the
             # variants that only run under capture (see kernels/triton_ops.py).
@@ -127,6 +131,8 @@ class DecodeGraphs:
                 if attempt == 0:
                     self._warmup_graphs.append(graph)
             entry = self.graphs[key] = (graph, logits)
+            self.num_captures += 1
+            self.capture_seconds += time.perf_counter() - started
         graph, logits = entry
         graph.replay()
         self.num_replays += 1

@@ -43,11 +43,13 @@ class EngineStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prefill_steps: int = 0
+    prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
     decode_steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     preemptions: int = 0
     ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
+    decode_step_seconds: list[float] = field(default_factory=list, repr=False)  # per decode step
     started: float = field(default_factory=time.perf_counter)
 
     def generated_tokens_per_second(self) -> float:
@@ -56,12 +58,14 @@ class EngineStats:
         return self.completion_tokens / elapsed if elapsed > 0 else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds", "decode_step_seconds")}
         ttft = sorted(self.ttft_seconds)
         d["ttft_mean_seconds"] = sum(ttft) / len(ttft) if ttft else None
         d["ttft_p50_seconds"] = ttft[len(ttft) // 2] if ttft else None
         d["ttft_p90_seconds"] = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None
         d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
+        steps = sorted(self.decode_step_seconds)
+        d["decode_step_p50_seconds"] = steps[len(steps) // 2] if steps else None
         elapsed = time.perf_counter() - self.started
         d["elapsed_seconds"] = elapsed
         d["generated_tokens_per_second"] = self.generated_tokens_per_second()
@@ -192,6 +196,8 @@ class Engine:
         self.stats.preemptions = self.scheduler.num_preemptions
         if not seqs:
             raise RuntimeError("scheduler found nothing to run with sequences pending")
+        if is_prefill:
+            self.stats.prefill_tokens += sum(s.num_own_tokens - s.num_cached_own for s in seqs)
         t0 = time.perf_counter()
         tokens = self.runner.run(seqs, is_prefill)
         dt = time.perf_counter() - t0
@@ -201,6 +207,7 @@ class Engine:
         else:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += dt
+            self.stats.decode_step_seconds.append(dt)
         finished = []
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
