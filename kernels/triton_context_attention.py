@@ -7,7 +7,7 @@ context_len - q_len + i and sees own keys 0..that position.
 
 The same kernel serves the --no-relay baseline (triton_paged_decode.py): HAS_PREFIX puts
 the shared prefix in front of the own keys in one softmax, and the key range can be cut
-into splits that write fp32 partials. With SYS_SPLITS > 0 the epilogue folds in the system
+into splits that write fp32 partials. With HAS_SYS the epilogue folds in the system
 step's partials (w = sigmoid(lse_sys - lse_ctx), per split) and writes the final o once.
 """
 
@@ -58,7 +58,7 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
 @triton.jit
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
-                  group_id, prefix_len, keys_per_split, split_base, num_kv_heads,
+                  group_id, prefix_len, keys_per_split, split_base, num_kv_heads, sys_splits,
                   qk_scale,
                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_ps, stride_ph, stride_bt,
@@ -66,7 +66,8 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                   stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
-                  SYS_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                  IEEE: tl.constexpr):
     if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
         pid_hs = tl.program_id(0)
         pid_m = tl.program_id(2)
@@ -123,13 +124,19 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_mid, o_hi, qk_scale,
                                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, True, IEEE)
     o, lse = _finish(acc, m_i, l_i)
-    # relay fusion: fold in every split of the system step, then write once. Unrolled, so
-    # the loads of all splits can be in flight together.
-    for s in tl.static_range(SYS_SPLITS):
-        lse_s = tl.load(sl_ptr + s * stride_sls + row * stride_sln + head, mask=rmask, other=float("-inf"))
-        o_s = tl.load(so_ptr + s * stride_sos + (row * stride_son + head * stride_soh)[:, None] + offs_d[None, :],
-                      mask=rmask[:, None], other=0.0)
-        o, lse = _merge_pair(o_s.to(tl.float32), lse_s, o, lse)
+    # relay fusion: fold in every split of the system step, then write once. The split
+    # count is a runtime value (a constexpr would compile a variant per count, inside a
+    # running job); chunks of SYS_UNROLL keep several splits' loads in flight, and a
+    # masked-off split merges as lse = -inf, which adds nothing.
+    if HAS_SYS:
+        for s0 in range(0, sys_splits, SYS_UNROLL):
+            for j in tl.static_range(SYS_UNROLL):
+                s = s0 + j
+                ok = rmask & ((i * 0 + s) < sys_splits)  # a tensor compare: s may be a plain int
+                lse_s = tl.load(sl_ptr + s * stride_sls + row * stride_sln + head, mask=ok, other=float("-inf"))
+                o_s = tl.load(so_ptr + s * stride_sos + (row * stride_son + head * stride_soh)[:, None]
+                              + offs_d[None, :], mask=ok[:, None], other=0.0)
+                o, lse = _merge_pair(o_s.to(tl.float32), lse_s, o, lse)
     slot = split_base + split
     o_off = slot * stride_os + row * stride_on + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -224,7 +231,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
         seq_group if seq_group is not None else meta.context_lens,
         group_id, kp.shape[0] if prefix is not None else 0, keys_per_split, split_base,
-        hkv, scale * LOG2E,
+        hkv, so.shape[0] if sys_part is not None else 0, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kp.stride(0) if prefix is not None else 0, kp.stride(1) if prefix is not None else 0,
@@ -234,7 +241,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         so.stride(0), so.stride(1), so.stride(2),
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
-        HEADS_FAST=heads_fast, SYS_SPLITS=so.shape[0] if sys_part is not None else 0, WRITE_LSE=lse is not None,
+        HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
         IEEE=q.dtype == torch.float32, **cfg)
 
 

@@ -16,6 +16,7 @@ class EngineConfig:
     relay: bool = True  # False: the --no-relay baseline
     attention_impl: str = "auto"  # auto | torch | cpu-flash | triton
     cuda_graphs: bool = True  # decode steps through CUDA graphs (CUDA + triton only)
+    overlap_steps: bool = True  # read a step's tokens back while the next one runs (same outputs)
     max_pending_rows: int | None = None  # rows read ahead of the batch; None: 4 x max_num_seqs
 
     def __post_init__(self) -> None:

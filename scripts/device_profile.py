@@ -43,8 +43,7 @@ def main() -> None:
     while eng.scheduler.waiting:
         seqs, is_prefill = eng.scheduler.schedule()
         assert is_prefill
-        for s, t in zip(seqs, runner.run(seqs, True)):
-            s.output_ids.append(t)
+        runner.run(seqs, True)  # appends the first tokens
 
     def decode_step():
         seqs, is_prefill = eng.scheduler.schedule()
@@ -70,9 +69,10 @@ def main() -> None:
         assert not is_prefill
         key = runner.graphs.key(seqs)
         t0 = time.perf_counter()
-        runner.graphs._fill(seqs, key[0], key[1])
+        ids = runner.decode_input_ids(seqs, None)
+        runner.graphs._fill(seqs, key[0], key[1], ids)
         t1 = time.perf_counter()
-        logits = runner.graphs.run(seqs, key)  # fills again (cheap), then replays
+        logits = runner.graphs.run(seqs, key, ids)  # fills again (cheap), then replays
         t2 = time.perf_counter()
         torch.cuda.synchronize()
         t3 = time.perf_counter()

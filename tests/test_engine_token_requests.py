@@ -25,3 +25,49 @@ def test_empty_or_prefix_only_prompts_are_error_rows_and_the_job_goes_on():
     assert out[1].completion_tokens == 3 and out[3].completion_tokens == 3
     assert out[1].cached_tokens == 5 and out[3].cached_tokens == 0
     assert len(engine.token_ids_by_row[1]) == 3 and engine.stats.errors == 2
+
+
+def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
+    """The engine reads each step's tokens while the next step runs, so EOS is seen one
+    step late. Under batching, preemption (a tiny cache) and several EOS ids, every
+    sequence must still end exactly at its first EOS or at max_tokens."""
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    rng = random.Random()
+    vocab = lm.config.vocab_size
+    ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+    prefix = prefix_from_ids(lm, ids)
+    owns = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    limits = [rng.randint(1, 24) for _ in owns]
+
+    def run(config, max_tokens, ignore_eos, eos=None):
+        engine = Engine(lm, [prefix], config, record_token_ids=True)
+        if eos is not None:
+            engine.eos_ids = frozenset(eos)
+        reqs = [TokenRequest(i, str(i), ids + own, SamplingOptions(max_tokens=m, ignore_eos=ignore_eos), prefix_slot=0)
+                for i, (own, m) in enumerate(zip(owns, max_tokens))]
+        out = {r.row_index: r for r in engine.generate_tokens(reqs)}
+        return out, engine
+
+    # each request alone, never stopping: the greedy continuation to cut by hand
+    free = {}
+    for i in range(len(owns)):
+        engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=1), record_token_ids=True)
+        list(engine.generate_tokens([TokenRequest(i, str(i), ids + owns[i], SamplingOptions(24, ignore_eos=True),
+                                                  prefix_slot=0)]))
+        free[i] = engine.token_ids_by_row[i]
+    eos = {free[i][rng.randrange(len(free[i]))] for i in rng.sample(range(len(owns)), 3)}
+    per_block = engine.runner.bytes_per_block()
+    out, engine = run(EngineConfig(max_num_seqs=6, kv_cache_gb=8 * per_block / 1024**3), limits, False, eos)
+    assert engine.scheduler.num_preemptions > 0
+    for i, m in enumerate(limits):
+        want = free[i][:m]
+        cut = next((j for j, t in enumerate(want) if t in eos), None)
+        if cut is not None:
+            want = want[:cut + 1]
+        assert engine.token_ids_by_row[i] == want, i
+        assert out[i].finish_reason == ("stop" if cut is not None else "length")
+        assert out[i].completion_tokens == len(want)
+    assert sorted(out) == list(range(len(owns)))
+    _, waited = run(EngineConfig(max_num_seqs=6, kv_cache_gb=8 * per_block / 1024**3, overlap_steps=False),
+                    limits, False, eos)
+    assert waited.token_ids_by_row == engine.token_ids_by_row  # reading back at once changes nothing

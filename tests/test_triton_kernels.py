@@ -119,11 +119,17 @@ def test_context_attention_and_fused_merge(dtype, decode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("decode", [True, False])
-@pytest.mark.parametrize("mode", ["default", "split", "overlap"])
+@pytest.mark.parametrize("mode", ["default", "split", "fused-6", "overlap"])
 def test_relay_attention(dtype, decode, mode):
-    shape = shapes(random.Random(), decode)
+    rng = random.Random()
+    shape = shapes(rng, decode)
+    if mode == "fused-6":  # 16-key tiles over 81-96 keys: six non-empty system splits
+        shape["prefix_lens"] = [rng.randint(81, 96), rng.randint(81, 96)]
     q, kc, vc, prefixes, meta, scale = make(shape, dtype)
-    if mode == "split":  # system split 3 ways, context split 2 ways: partials meet in the merge kernel
+    if mode == "fused-6":  # six partials folded in by the context epilogue: a full and a partial chunk
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=6, ctx_splits=1,
+                                   sys_config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2))
+    elif mode == "split":  # system split 3 ways, context split 2 ways: partials meet in the merge kernel
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=3, ctx_splits=2, ctx_config=SMALL_CTX)
     elif mode == "overlap":  # context as one more partial (side stream on CUDA), then the merge kernel
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True)

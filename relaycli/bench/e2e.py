@@ -72,7 +72,8 @@ def _free(device: torch.device) -> None:
 
 
 def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
-               max_batch: int, relay: bool, kv_cache_gb: float | None, cuda_graphs: bool = True) -> dict:
+               max_batch: int, relay: bool, kv_cache_gb: float | None, cuda_graphs: bool = True,
+               overlap_steps: bool = True) -> dict:
     """One measured run of the engine after a warm-up on the same engine: the first
     max_batch requests with outputs cut to 128 tokens (4 on CPU), so kernel compilation
     and most CUDA-graph captures are paid once a process, as in a long job."""
@@ -86,7 +87,8 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
                              prefix_slot=slot) for i, r in enumerate(shapes[:count])]
 
     engine = Engine(lm, [prefix] if prefix else [],
-                    EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs),
+                    EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs,
+                                 overlap_steps=overlap_steps),
                     record_token_ids=True)
     warm = requests(128 if dev.type == "cuda" else 4, min(len(shapes), max_batch))
     sum(1 for _ in engine.generate_tokens(warm))
@@ -116,7 +118,8 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "graph_capture_s_in_run": graphs.capture_seconds - captures_before[1] if graphs else 0.0,
            "kernel_compiles_in_run": (None if variants_before is None else triton_variants() - variants_before),
            "decode_step_p50_s": st.as_dict()["decode_step_p50_seconds"],
-           "prefill_tokens": st.prefill_tokens,
+           "prefill_tokens": st.prefill_tokens, "prefill_steps": st.prefill_steps,
+           "prefill_step_log": [list(x) for x in st.prefill_step_log],  # [sequences, tokens, seconds]
            "_ids": engine.token_ids_by_row, **ttft_stats(st.ttft_seconds)}
     del engine
     _free(dev)

@@ -42,6 +42,7 @@ class DecodeGraphs:
         self.max_bs = next((b for b in BATCH_BUCKETS if b >= max_num_seqs), max_num_seqs)
         max_blocks = -(-self.max_context // self.block_size)
         self.scratch_block = scratch_block
+        self.is_cuda = dev.type == "cuda"
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((self.max_bs,), scratch_block * self.block_size, dtype=torch.int64, device=dev)
@@ -72,23 +73,31 @@ class DecodeGraphs:
             return None
         return key
 
-    def _fill(self, seqs: list[Sequence], bs: int, ctx: int) -> None:
+    def _fill(self, seqs: list[Sequence], bs: int, ctx: int, input_ids: torch.Tensor) -> None:
+        """Write this step's inputs into the graph's buffers. input_ids [n] is on the device
+        (it may be the previous step's output, not yet on the host). The host values go
+        through pinned memory: a copy from pageable memory may wait for the step still
+        running, and the engine prepares this step while that one runs."""
         n = len(seqs)
         bsz = self.block_size
         width = -(-ctx // bsz)  # only the columns this context bucket reads
-        ids, pos, slots, lens = [], [], [], []
-        for s in seqs:
+        rows = np.empty((3, n), dtype=np.int64)
+        for b, s in enumerate(seqs):
             i = s.num_own_tokens - 1
-            ids.append(s.last_token)
-            pos.append(s.num_prefix_tokens + i)
-            slots.append(s.slot(i, bsz))
-            lens.append(s.num_own_tokens)
+            rows[0, b] = s.num_prefix_tokens + i
+            rows[1, b] = s.slot(i, bsz)
+            rows[2, b] = s.num_own_tokens
         tables = pack_block_tables([s.block_table for s in seqs], width, self.scratch_block, self.host_tables)
-        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
-        self.context_lens[:n].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        pinned = self.is_cuda  # CPU tensors (tests) need no staging
+        host_rows, host_tables = torch.from_numpy(rows), torch.from_numpy(tables)
+        if pinned:
+            host_rows, host_tables = host_rows.pin_memory(), host_tables.pin_memory()
+        dev_rows = host_rows.to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(dev_rows[0])
+        self.slot_mapping[:n].copy_(dev_rows[1])
+        self.context_lens[:n].copy_(dev_rows[2])
+        self.block_tables[:n, :width].copy_(host_tables, non_blocking=True)
         if bs > n:  # rows left from a larger earlier step must not touch real blocks
             self.input_ids[n:bs].zero_()
             self.positions[n:bs].zero_()
@@ -112,10 +121,11 @@ class DecodeGraphs:
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.attention.attend_fn(meta), self.layer_ops)
         return model.compute_logits(hidden)
 
-    def run(self, seqs: list[Sequence], key: tuple[int, int, int | None]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] fp32 of one decode step, through the graph for key."""
+    def run(self, seqs: list[Sequence], key: tuple[int, int, int | None], input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [len(seqs), vocab] fp32 of one decode step, through the graph for key.
+        input_ids [len(seqs)] int64 on the device."""
         bs, ctx, slot = key
-        self._fill(seqs, bs, ctx)
+        self._fill(seqs, bs, ctx, input_ids)
         entry = self.graphs.get(key)
         if entry is None:
             started = time.perf_counter()

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 from models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
-from relaycli.engine.model_runner import ModelRunner, PrefixKV
+from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.io.requests import RequestRow, ResultRow
@@ -50,6 +50,7 @@ class EngineStats:
     preemptions: int = 0
     ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
     decode_step_seconds: list[float] = field(default_factory=list, repr=False)  # per decode step
+    prefill_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, tokens, s
     started: float = field(default_factory=time.perf_counter)
 
     def generated_tokens_per_second(self) -> float:
@@ -58,7 +59,7 @@ class EngineStats:
         return self.completion_tokens / elapsed if elapsed > 0 else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds", "decode_step_seconds")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds", "decode_step_seconds", "prefill_step_log")}
         ttft = sorted(self.ttft_seconds)
         d["ttft_mean_seconds"] = sum(ttft) / len(ttft) if ttft else None
         d["ttft_p50_seconds"] = ttft[len(ttft) // 2] if ttft else None
@@ -102,6 +103,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._live: dict[int, _Live] = {}
         self.token_ids_by_row: dict[int, list[int]] | None = {} if record_token_ids else None
+        self._pending: StepHandle | None = None  # the launched step not yet read back
 
     # ---- turning rows into sequences -------------------------------------------------
     def _to_token_request(self, row: RequestRow) -> TokenRequest | ResultRow:
@@ -172,7 +174,7 @@ class Engine:
                 err = item if isinstance(item, ResultRow) else self._admit(item)
                 if err is not None:
                     yield self._count(err)
-            if self.scheduler.num_unfinished == 0:
+            if self.scheduler.num_unfinished == 0 and self._pending is None:
                 if exhausted:
                     return
                 continue
@@ -192,50 +194,80 @@ class Engine:
         return result
 
     def _step(self) -> list[ResultRow]:
-        seqs, is_prefill = self.scheduler.schedule()
-        self.stats.preemptions = self.scheduler.num_preemptions
-        if not seqs:
-            raise RuntimeError("scheduler found nothing to run with sequences pending")
-        if is_prefill:
-            self.stats.prefill_tokens += sum(s.num_own_tokens - s.num_cached_own for s in seqs)
+        """Launch the next step, then read back the one before it while the device works.
+
+        Host work (reading tokens, stop checks, results, the next schedule) overlaps the
+        device's step instead of following it. A sequence that reaches max_tokens is known
+        to end when its last step is launched; one that ends at EOS or a stop string is
+        seen a step late and has already been given one more step, whose token is dropped.
+        """
         t0 = time.perf_counter()
-        tokens = self.runner.run(seqs, is_prefill)
+        seqs, is_prefill = self.scheduler.schedule() if self.scheduler.num_unfinished else ([], False)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if not seqs and self._pending is None:
+            raise RuntimeError("scheduler found nothing to run with sequences pending")
+        launched = None
+        if seqs:
+            num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else 0
+            launched = self.runner.launch(seqs, is_prefill, self._pending)
+            for seq in seqs:
+                if seq.num_completion_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_context:
+                    seq.finish_reason = "length"  # unless its last token turns out to stop it first
+                    self.scheduler.finish(seq)
+        finished = self._read_back(self._pending) if self._pending is not None else []
+        self._pending = launched
+        if launched is not None and not self.config.overlap_steps:
+            finished += self._read_back(launched)
+            self._pending = None
         dt = time.perf_counter() - t0
-        if is_prefill:
+        if not seqs:
+            pass  # a last read-back: its time belongs to the step it finishes
+        elif is_prefill:
             self.stats.prefill_steps += 1
             self.stats.prefill_seconds += dt
+            self.stats.prefill_tokens += num_new
+            self.stats.prefill_step_log.append((len(seqs), num_new, dt))
         else:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += dt
             self.stats.decode_step_seconds.append(dt)
-        finished = []
-        now = time.perf_counter()
-        for seq, tok in zip(seqs, tokens):
-            seq.output_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                self.stats.ttft_seconds.append(now - seq.arrival_time)
-            reason = self._finish_reason(seq, tok)
-            if reason is not None:
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)
-                self.runner.sampler.forget(seq.seq_id)
-                finished.append(self._result(self._live.pop(seq.seq_id)))
         return finished
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+    def _read_back(self, step: StepHandle) -> list[ResultRow]:
+        """Put a finished step's real tokens in place of its placeholders; end sequences."""
+        finished = []
+        now = None
+        for seq, index, tok in zip(step.seqs, step.indices, step.tokens_list()):
+            live = self._live.get(seq.seq_id)
+            if live is None:
+                continue  # it ended at an earlier token; this one was a spare step
+            seq.output_ids[index] = tok
+            if index == 0:
+                now = now or time.perf_counter()
+                seq.first_token_time = now
+                self.stats.ttft_seconds.append(now - seq.arrival_time)
+            if self._stops(seq, tok, index):
+                seq.finish_reason = "stop"
+                del seq.output_ids[index + 1:]  # a placeholder of the step now running
+                self.scheduler.finish(seq)
+            elif not (seq.is_finished and index == len(seq.output_ids) - 1):
+                continue  # still going (or its last token is still to come)
+            self.runner.sampler.forget(seq.seq_id)
+            finished.append(self._result(self._live.pop(seq.seq_id)))
+        return finished
+
+    def _stops(self, seq: Sequence, tok: int, index: int) -> bool:
+        """Does output token `index` (= tok) end the sequence: EOS, or a stop string?"""
         opts = seq.sampling
         if not opts.ignore_eos and tok in self.eos_ids:
-            return "stop"
+            return True
         if opts.stop and self.loaded.tokenizer is not None:
-            text = self.loaded.tokenizer.decode(seq.output_ids)
+            text = self.loaded.tokenizer.decode(seq.output_ids[:index + 1])
             cuts = [text.find(s) for s in opts.stop if s and s in text]
             if cuts:
                 seq.stop_text_end = min(cuts)
-                return "stop"
-        if seq.num_completion_tokens >= opts.max_tokens or seq.num_tokens >= self.max_context:
-            return "length"
-        return None
+                return True
+        return False
 
     def _result(self, live: _Live) -> ResultRow:
         seq = live.seq

@@ -80,8 +80,9 @@ class ModelRunner:
             budget = min(_CPU_DEFAULT_KV_GB * 1024**3, 0.25 * avail)
         return max(int(budget // per_block) - 1, 1)
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool):
-        """-> input_ids [N], positions [N], metadata, rows of the last query of each sequence."""
+    def prepare(self, seqs: list[Sequence], is_prefill: bool, decode_ids: torch.Tensor | None = None):
+        """-> input_ids [N], positions [N], metadata, rows of the last query of each sequence.
+        decode_ids [B] on the device: a decode step's input ids (see decode_input_ids)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -118,19 +119,89 @@ class ModelRunner:
                            for slot, (rows, q_rows) in sorted(groups.items())],
         )
         last_rows = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=dev)
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, last_rows)
+        ids = decode_ids if decode_ids is not None else torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        return ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta, last_rows
+
+    def decode_input_ids(self, seqs: list[Sequence], prev: "StepHandle | None") -> torch.Tensor:
+        """[B] int64 on the device: each sequence's last token. Where that token is the one
+        the previous step is still computing (a placeholder on the host), it is gathered
+        from that step's device output, so this step can launch before it is read back."""
+        rows = prev.rows if prev is not None else {}
+        src_rows = [rows.get(s.seq_id) for s in seqs]
+        if len(seqs) == len(rows) and src_rows == list(range(len(seqs))):
+            return prev.tokens  # the same batch as the step before: its output is this input
+        from_prev = [r is not None for r in src_rows]
+        host_ids = torch.tensor([0 if p else s.last_token for s, p in zip(seqs, from_prev)], dtype=torch.int64)
+        if not any(from_prev):
+            return host_ids.to(self.device, non_blocking=True)
+        src = torch.tensor([r or 0 for r in src_rows], dtype=torch.int64)
+        mask = torch.tensor(from_prev)
+        if self.device.type == "cuda":  # pinned staging: a pageable copy could wait for the running step
+            host_ids, src, mask = host_ids.pin_memory(), src.pin_memory(), mask.pin_memory()
+        dev = self.device
+        return torch.where(mask.to(dev, non_blocking=True), prev.tokens[src.to(dev, non_blocking=True)],
+                           host_ids.to(dev, non_blocking=True))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One forward step for these sequences; returns the next token of each."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: "StepHandle | None" = None) -> "StepHandle":
+        """Queue one forward step and its sampling on the device and return at once.
+
+        Each sequence gets a placeholder token at the end of its output_ids (so its
+        length, positions and KV slots are right for the next step); StepHandle.tokens_list()
+        gives the real ids once the device is done. prev: the step launched just before,
+        not yet read back, whose tokens this step's decode inputs may be.
+        """
+        decode_ids = None
+        if is_prefill:
+            assert prev is None or not any(s.seq_id in prev.rows for s in seqs), \
+                "a prefill must not start from a token that is still being computed"
+        else:
+            decode_ids = self.decode_input_ids(seqs, prev)
         key = None if is_prefill or self.graphs is None else self.graphs.key(seqs)
         if key is not None:
-            logits = self.graphs.run(seqs, key)
+            logits = self.graphs.run(seqs, key, decode_ids)
         else:
-            input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+            input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill, decode_ids)
             hidden = self.model(input_ids, positions, self.attention.attend_fn(meta), self.layer_ops)
             logits = self.model.compute_logits(hidden[last_rows])
+        tokens = self.sampler.sample_tensor(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])
+        indices = []
         for seq in seqs:
             seq.num_cached_own = seq.num_own_tokens
-        return self.sampler.sample(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])
+            indices.append(len(seq.output_ids))
+            seq.output_ids.append(PLACEHOLDER_TOKEN)
+        return StepHandle(seqs, is_prefill, indices, tokens)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One step, waited for: the next token of each sequence (appended to its output_ids)."""
+        handle = self.launch(seqs, is_prefill)
+        tokens = handle.tokens_list()
+        for seq, i, tok in zip(seqs, handle.indices, tokens):
+            seq.output_ids[i] = tok
+        return tokens
+
+
+PLACEHOLDER_TOKEN = 0  # stands in for a token the device has not yet returned; never read as one
+
+
+class StepHandle:
+    """A launched step: its sequences, where each one's new token goes in its output_ids,
+    and the sampled ids, copied to the host without blocking (read with tokens_list())."""
+
+    def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor) -> None:
+        self.seqs, self.is_prefill, self.indices = seqs, is_prefill, indices
+        self.tokens = tokens  # [B] int64 on the device: the next step's inputs
+        self.rows = {s.seq_id: b for b, s in enumerate(seqs)}
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def tokens_list(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

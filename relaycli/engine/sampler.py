@@ -1,4 +1,4 @@
-"""Next-token choice for a whole batch with one host sync.
+"""Next-token choice for a whole batch, on the device (the engine reads it back a step later).
 
 Greedy rows take the argmax. Sampling rows are filtered (temperature, top-k, top-p) as
 one batched tensor operation and drawn by the Gumbel-max trick: argmax(log p + g) with
@@ -48,7 +48,11 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], options: list[SamplingOptions]) -> list[int]:
-        """logits [B, V] fp32 -> one token id per row."""
+        """logits [B, V] fp32 -> one token id per row (waits for the device)."""
+        return self.sample_tensor(logits, seq_ids, options).tolist()
+
+    def sample_tensor(self, logits: torch.Tensor, seq_ids: list[int], options: list[SamplingOptions]) -> torch.Tensor:
+        """logits [B, V] fp32 -> token ids [B] int64 on logits' device, without waiting for it."""
         choice = logits.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if not opt.is_greedy]
         if rows:
@@ -67,4 +71,4 @@ class Sampler:
                              for i in rows])
             gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
             choice[rows] = (log_p + gumbel).argmax(dim=-1)
-        return choice.tolist()
+        return choice

@@ -99,6 +99,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
+        """No more steps for this sequence. With steps read back one late, a sequence can
+        end (at EOS) after it was preempted, so it may be waiting instead of running."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
-        self.block_manager.free(seq)
