@@ -57,3 +57,33 @@ def test_pack_block_tables_equals_padded_lists():
         assert got.shape == (len(tables), width) and got.tolist() == want
     with pytest.raises(ValueError, match="more than the 3 columns"):
         pack_block_tables([[1, 2, 3, 4]], 3, 0, out)
+
+
+def test_capture_all_covers_every_key_and_its_passes_touch_only_the_scratch_block():
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    rng = random.Random()
+    ids = [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(1, 50))]
+    engine = Engine(lm, [prefix_from_ids(lm, ids)], EngineConfig(max_num_seqs=40, kv_cache_gb=0.01))
+    runner = engine.runner
+    graphs = DecodeGraphs(runner, 40, scratch_block=runner.num_blocks)
+    keys = set(graphs.all_keys(40, 1500, [0]))
+    for _ in range(200):  # any step within the limits maps to a listed key
+        n = rng.randint(1, 40)
+        seqs = [type("S", (), dict(prefix_slot=0, num_own_tokens=rng.randint(1, 1500)))() for _ in range(n)]
+        assert graphs.key(seqs) in keys
+    assert max(k[0] for k in keys) == 64 and max(k[1] for k in keys) == 4096
+    # the warm-up pass of a capture, on reset rows, leaves every real block as it was
+    for cache in runner.k_caches + runner.v_caches:
+        cache.normal_()
+        cache[-1].zero_()
+    before = [c[:-1].clone() for c in runner.k_caches + runner.v_caches]
+    for key in sorted(keys)[:4] + sorted(keys)[-2:]:
+        # rows left pointing at real blocks by earlier steps
+        graphs.slot_mapping.fill_(rng.randrange(runner.num_blocks * graphs.block_size))
+        graphs.block_tables.fill_(rng.randrange(runner.num_blocks))
+        graphs.context_lens.fill_(rng.randint(1, 20))
+        graphs._reset_rows(0, key[0], -(-key[1] // graphs.block_size))
+        graphs._forward(key[0], graphs._meta(*key))
+    for b, c in zip(before, runner.k_caches + runner.v_caches):
+        assert torch.equal(b, c[:-1])
+    assert not torch.equal(runner.k_caches[0][-1], torch.zeros_like(runner.k_caches[0][-1]))  # scratch was written

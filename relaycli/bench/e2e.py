@@ -74,9 +74,11 @@ def _free(device: torch.device) -> None:
 def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
                max_batch: int, relay: bool, kv_cache_gb: float | None, cuda_graphs: bool = True,
                overlap_steps: bool = True) -> dict:
-    """One measured run of the engine after a warm-up on the same engine: the first
-    max_batch requests with outputs cut to 128 tokens (4 on CPU), so kernel compilation
-    and most CUDA-graph captures are paid once a process, as in a long job."""
+    """One measured run of the engine after a warm-up on the same engine, as a server
+    warms up before it serves: the first max_batch requests with outputs cut to 128
+    tokens (4 on CPU), then prefill rounds of one and of three requests (small prefills
+    compile kernel variants of their own), then a capture of every CUDA graph the run
+    can meet. Compiles and captures still paid inside the timed run are reported."""
     dev = lm.model.device
     pre_ids = prefix.token_ids if prefix else []
     slot = 0 if prefix else None
@@ -90,10 +92,16 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
                     EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs,
                                  overlap_steps=overlap_steps),
                     record_token_ids=True)
+    started = time.perf_counter()
     warm = requests(128 if dev.type == "cuda" else 4, min(len(shapes), max_batch))
     sum(1 for _ in engine.generate_tokens(warm))
-    engine.stats = EngineStats()
+    for count in (1, 3):
+        sum(1 for _ in engine.generate_tokens(requests(2, min(count, len(shapes)))))
     graphs = engine.runner.graphs
+    if graphs is not None:
+        graphs.capture_all(max_batch, max(r.input_len + r.output_len for r in shapes), [slot])
+    warmup_s = time.perf_counter() - started
+    engine.stats = EngineStats()
     captures_before = (graphs.num_captures, graphs.capture_seconds) if graphs else (0, 0.0)
     variants_before = triton_variants()
     reqs = requests()
@@ -105,7 +113,8 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     st = engine.stats
     exact = len(results) == len(shapes) and all(
         r.finish_reason == "length" and r.completion_tokens == shapes[r.row_index].output_len for r in results)
-    out = {"requests": len(results), "seconds": elapsed, "generated_tokens": st.completion_tokens,
+    out = {"requests": len(results), "seconds": elapsed, "warmup_s": warmup_s,
+           "kv_cache_blocks": engine.runner.num_blocks, "generated_tokens": st.completion_tokens,
            "exact_lengths": exact, "errors": st.errors, "preemptions": st.preemptions,
            "prefill_s": st.prefill_seconds, "decode_steps": st.decode_steps,
            "decode_step_s": st.decode_seconds / st.decode_steps if st.decode_steps else None,
@@ -121,7 +130,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "prefill_tokens": st.prefill_tokens, "prefill_steps": st.prefill_steps,
            "prefill_step_log": [list(x) for x in st.prefill_step_log],  # [sequences, tokens, seconds]
            "_ids": engine.token_ids_by_row, **ttft_stats(st.ttft_seconds)}
-    del engine
+    del engine, graphs  # the graphs hold the KV cache too: both go before the next engine sizes its own
     _free(dev)
     return out
 

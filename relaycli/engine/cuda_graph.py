@@ -63,15 +63,47 @@ class DecodeGraphs:
         slot = seqs[0].prefix_slot
         if any(s.prefix_slot != slot for s in seqs) or len(seqs) > self.max_bs:
             return None
-        bs = next(b for b in BATCH_BUCKETS if b >= len(seqs))
-        longest = max(s.num_own_tokens for s in seqs)
-        ctx = MIN_CONTEXT_BUCKET
-        while ctx < longest:
-            ctx *= CONTEXT_BUCKET_GROWTH
-        key = bs, min(ctx, self.max_context), slot
+        key = self._bucket(len(seqs), max(s.num_own_tokens for s in seqs), slot)
         if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
         return key
+
+    def _bucket(self, num_seqs: int, longest: int, slot: int | None) -> tuple[int, int, int | None]:
+        bs = next(b for b in BATCH_BUCKETS if b >= num_seqs)
+        ctx = MIN_CONTEXT_BUCKET
+        while ctx < longest:
+            ctx *= CONTEXT_BUCKET_GROWTH
+        return bs, min(ctx, self.max_context), slot
+
+    def all_keys(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> list[tuple]:
+        """Every key a step of at most max_num_seqs sequences, none longer than
+        max_context own tokens, with one of these prefix slots, can have."""
+        top_bs, top_ctx, _ = self._bucket(min(max_num_seqs, self.max_bs), max(max_context, 1), None)
+        ctxs = [MIN_CONTEXT_BUCKET]
+        while ctxs[-1] < top_ctx:
+            ctxs.append(ctxs[-1] * CONTEXT_BUCKET_GROWTH)
+        return [(bs, min(ctx, self.max_context), slot) for slot in slots
+                for bs in BATCH_BUCKETS if bs <= top_bs for ctx in ctxs]
+
+    def capture_all(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> int:
+        """Capture every key of all_keys before a job runs (as servers do at start-up), so
+        no step of the job waits for a capture or its kernel compiles. Call it with no
+        sequence in flight: the buffers are pointed at the scratch block first, so the
+        captures' passes write only there. Returns how many graphs were captured."""
+        before = len(self.graphs)
+        for key in self.all_keys(max_num_seqs, max_context, slots):
+            if key not in self.graphs and len(self.graphs) < MAX_GRAPHS:
+                self._reset_rows(0, key[0], -(-key[1] // self.block_size))
+                self._capture(key)
+        return len(self.graphs) - before
+
+    def _reset_rows(self, lo: int, hi: int, width: int) -> None:
+        """Rows lo..hi point at the scratch block: padding, or a capture with no sequences."""
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
+        self.slot_mapping[lo:hi].fill_(self.scratch_block * self.block_size)
+        self.context_lens[lo:hi].fill_(1)
+        self.block_tables[lo:hi, :width].fill_(self.scratch_block)
 
     def _fill(self, seqs: list[Sequence], bs: int, ctx: int, input_ids: torch.Tensor) -> None:
         """Write this step's inputs into the graph's buffers. input_ids [n] is on the device
@@ -99,11 +131,7 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(dev_rows[2])
         self.block_tables[:n, :width].copy_(host_tables, non_blocking=True)
         if bs > n:  # rows left from a larger earlier step must not touch real blocks
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(self.scratch_block * bsz)
-            self.context_lens[n:bs].fill_(1)
-            self.block_tables[n:bs, :width].fill_(self.scratch_block)
+            self._reset_rows(n, bs, width)
 
     def _meta(self, bs: int, ctx: int, slot: int | None) -> AttentionMetadata:
         groups = []
@@ -126,27 +154,30 @@ class DecodeGraphs:
         input_ids [len(seqs)] int64 on the device."""
         bs, ctx, slot = key
         self._fill(seqs, bs, ctx, input_ids)
-        entry = self.graphs.get(key)
-        if entry is None:
-            started = time.perf_counter()
-            meta = self._meta(bs, ctx, slot)
-            # Eager warm-up compiles the kernels; a first, discarded capture compiles the
-            # variants that only run under capture (see kernels/triton_ops.py).
-            self._forward(bs, meta)
-            for attempt in range(2):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._forward(bs, meta)
-                self.pool = graph.pool()
-                if attempt == 0:
-                    self._warmup_graphs.append(graph)
-            entry = self.graphs[key] = (graph, logits)
-            self.num_captures += 1
-            self.capture_seconds += time.perf_counter() - started
-        graph, logits = entry
+        graph, logits = self.graphs.get(key) or self._capture(key)
         graph.replay()
         self.num_replays += 1
         return logits[:len(seqs)]
+
+    def _capture(self, key: tuple[int, int, int | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the step for key on the buffers as they are (filled, or reset)."""
+        started = time.perf_counter()
+        bs, ctx, slot = key
+        meta = self._meta(bs, ctx, slot)
+        # Eager warm-up compiles the kernels; a first, discarded capture compiles the
+        # variants that only run under capture (see kernels/triton_ops.py).
+        self._forward(bs, meta)
+        for attempt in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(bs, meta)
+            self.pool = graph.pool()
+            if attempt == 0:
+                self._warmup_graphs.append(graph)
+        entry = self.graphs[key] = (graph, logits)
+        self.num_captures += 1
+        self.capture_seconds += time.perf_counter() - started
+        return entry
 
 
 def pack_block_tables(tables: list[list[int]], width: int, fill: int, out: np.ndarray) -> np.ndarray:
