@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_system_attention import (LOG2E, _dense_loop, _finish, _merge_pair, _online_block, fit_smem,
-                                             split_plan)
+from kernels.triton_plan import fit_smem, split_plan
+from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_pair, _online_block
 
 
 @triton.jit

@@ -16,7 +16,8 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_system_attention import merge_partials, split_plan, system_attention_into, system_config
+from kernels.triton_plan import split_plan, system_config
+from kernels.triton_system_attention import merge_partials, system_attention_into
 
 __all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv"]
 

@@ -24,7 +24,8 @@ from device_kernels import bench_us, ceilings  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import paged_attention, paged_config  # noqa: E402
 from kernels.triton_ops import relay_attention  # noqa: E402
-from kernels.triton_system_attention import split_plan, system_attention_into, system_config  # noqa: E402
+from kernels.triton_plan import split_plan, system_config  # noqa: E402
+from kernels.triton_system_attention import system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 
 CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in

@@ -34,8 +34,8 @@ from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import paged_attention  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
-from kernels.triton_system_attention import (merge_partials, split_plan, system_attention_into,  # noqa: E402
-                                             system_config)
+from kernels.triton_plan import split_plan, system_config  # noqa: E402
+from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 

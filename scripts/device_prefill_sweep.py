@@ -27,7 +27,8 @@ from kernels import reference as ref  # noqa: E402
 from kernels.metadata import AttentionMetadata, PrefixGroup  # noqa: E402
 from kernels.triton_ops import prefix_paged_attention, relay_attention  # noqa: E402
 from kernels.triton_context_attention import context_attention  # noqa: E402
-from kernels.triton_system_attention import system_attention_into, system_config  # noqa: E402
+from kernels.triton_plan import system_config  # noqa: E402
+from kernels.triton_system_attention import system_attention_into  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 
 SYS_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, tma=t)

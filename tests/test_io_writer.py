@@ -11,7 +11,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 

@@ -222,7 +222,7 @@ def test_gpu_system_attention_large(dtype):
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
-    from kernels.triton_system_attention import split_plan
+    from kernels.triton_plan import split_plan
     dev = torch.device("cpu")  # num_sms: 2 without CUDA, so 16 slots at per_sm=8
     seen = set()
     for programs in range(1, 17):

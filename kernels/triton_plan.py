@@ -1,0 +1,96 @@
+"""Launch plans of the Triton attention kernels: tile shapes and split-K counts.
+
+Plain arithmetic on shapes and device properties (no kernels here), shared by the
+system, context and baseline launchers and by the scripts that sweep them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors to fill; a small number under the interpreter so splits get exercised."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
+               num_splits: int | None = None, min_keys: int = 256, per_sm: int = 1) -> tuple[int, int]:
+    """(num_splits, keys_per_split) for `programs` independent tiles over num_keys keys.
+
+    Time is modelled as waves * keys per program, waves = ceil(programs * splits / slots)
+    with per_sm resident programs per multiprocessor, plus 64 keys' worth per split for
+    writing and merging its partial: a batch that already fills the chip stays unsplit.
+    Only powers of two are chosen: the relay epilogue unrolls over the system splits, so
+    each distinct count is another compiled kernel, and a job's prefill steps (all
+    sizes) would otherwise compile new variants while it runs.
+    """
+    if num_splits is None:
+        slots = num_sms(device) * per_sm
+        most = max(1, num_keys // min_keys) if programs < slots else 1
+        candidates = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
+        cost = [(math.ceil(programs * s / slots) * math.ceil(num_keys / s / block_n) * block_n + 64 * s, s)
+                for s in candidates]
+        num_splits = min(cost)[1]
+    num_splits = max(1, min(num_splits, max(num_keys, 1)))
+    per = math.ceil(max(num_keys, 1) / num_splits)
+    per = math.ceil(per / block_n) * block_n
+    return num_splits, per
+
+
+def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> dict:
+    """Shrink BLOCK_N, then the pipeline depth, until Q + stages * (K + V) tiles fit shared memory."""
+    cfg = dict(cfg)
+
+    def need() -> int:
+        return (cfg["BLOCK_M"] + cfg["num_stages"] * 2 * cfg["BLOCK_N"]) * head_dim * elem
+
+    while need() > budget and cfg["BLOCK_N"] > 16:
+        cfg["BLOCK_N"] //= 2
+    while need() > budget and cfg["num_stages"] > 1:
+        cfg["num_stages"] -= 1
+    return cfg
+
+
+PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pay
+
+
+def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2) -> dict:
+    """Tile shape for a [rows, D] x [S, D]^T problem.
+
+    On the GPU, decode-sized: 64-row tiles (one warpgroup of wgmma), 64-key tiles, 3
+    stages; two programs share an SM. On an H200 (docs/kernels.md), with K/V fetched by
+    TMA, that was as fast as 128-row tiles with 8 warps at 64 queries and 4-12% faster
+    at 256. tma=None: TMA only inside CUDA-graph capture, where building the descriptors
+    costs no host time on every step. Prefill-sized (PREFILL_ROWS rows or more): 128 x 128
+    tiles, 8 warps, 3 stages, TMA even eagerly (a descriptor is cheap next to a kernel of
+    milliseconds). On the H200, 8,192 prefill tokens against an 8,192-token prefix took
+    2.00 ms instead of 2.27 ms (llama2-7b heads; scripts/device_prefill_sweep.py). That
+    tile needs about 224 KiB of shared memory, so it is kept only where the device has it.
+    """
+    if device.type == "cuda":
+        if rows >= PREFILL_ROWS:
+            cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1, tma=True)
+            return fit_smem(cfg, head_dim, elem, smem_per_block(device))
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None)
+    else:  # the interpreter: small tiles keep the split and tail paths busy
+        block_m = 64 if rows > 32 else 32 if rows > 16 else 16
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2)
+    return fit_smem(cfg, head_dim, elem)
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory one program may claim, less a margin for the compiler's own use."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 180 * 1024 + 4096) - 3 * 1024
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A host tensor descriptor needs Hopper or newer (or the interpreter), 16-byte alignment."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
