@@ -55,7 +55,9 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
     return acc, m_i, l_i
 
 
-@triton.jit
+# Runtime counts that change from step to step are not specialised: Triton would compile
+# another variant for a value of 1 or a multiple of 16, inside a running job.
+@triton.jit(do_not_specialize=["group_id", "prefix_len", "keys_per_split", "split_base", "sys_splits"])
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
                   group_id, prefix_len, keys_per_split, split_base, num_kv_heads, sys_splits,

@@ -105,7 +105,7 @@ def _merge_pair(o_a, lse_a, o_b, lse_b):
     return num / safe[:, None], tl.where(den == 0.0, float("-inf"), m + tl.log(safe))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_queries", "keys_per_split"])  # per-step counts: no variant per value
 def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                    n_queries, seq_len, keys_per_split, qk_scale,
                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -149,7 +149,7 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + split * stride_ls + row * stride_ln + head, lse, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
                   stride_ps, stride_pn, stride_ph, stride_qs, stride_qn,
                   stride_on, stride_oh, stride_ln,

@@ -68,6 +68,11 @@ def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
         assert out[i].finish_reason == ("stop" if cut is not None else "length")
         assert out[i].completion_tokens == len(want)
     assert sorted(out) == list(range(len(owns)))
+    st = engine.stats
+    assert len(st.ttft_seconds) == len(owns)  # one first token per row, recomputed ones not again
+    assert st.decode_steps == len(st.decode_step_seconds) and st.prefill_steps == len(st.prefill_step_log)
+    assert st.prefill_tokens >= sum(map(len, owns)) and engine._pending is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     _, waited = run(EngineConfig(max_num_seqs=6, kv_cache_gb=8 * per_block / 1024**3, overlap_steps=False),
                     limits, False, eos)
     assert waited.token_ids_by_row == engine.token_ids_by_row  # reading back at once changes nothing

@@ -21,6 +21,7 @@ import torch
 
 from kernels.metadata import AttentionMetadata, PrefixGroup
 from relaycli.engine.sequence import Sequence
+from relaycli.engine.staging import stage
 
 # Coarse buckets on purpose: each new key costs a warm-up and two captures (about three
 # forward passes), so a job should meet few keys; padding rows cost far less.
@@ -42,7 +43,6 @@ class DecodeGraphs:
         self.max_bs = next((b for b in BATCH_BUCKETS if b >= max_num_seqs), max_num_seqs)
         max_blocks = -(-self.max_context // self.block_size)
         self.scratch_block = scratch_block
-        self.is_cuda = dev.type == "cuda"
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((self.max_bs,), scratch_block * self.block_size, dtype=torch.int64, device=dev)
@@ -120,16 +120,14 @@ class DecodeGraphs:
             rows[1, b] = s.slot(i, bsz)
             rows[2, b] = s.num_own_tokens
         tables = pack_block_tables([s.block_table for s in seqs], width, self.scratch_block, self.host_tables)
-        pinned = self.is_cuda  # CPU tensors (tests) need no staging
-        host_rows, host_tables = torch.from_numpy(rows), torch.from_numpy(tables)
-        if pinned:
-            host_rows, host_tables = host_rows.pin_memory(), host_tables.pin_memory()
-        dev_rows = host_rows.to(self.input_ids.device, non_blocking=True)
+        dev = self.input_ids.device
+        dev_rows = stage(torch.from_numpy(rows), dev)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(dev_rows[0])
         self.slot_mapping[:n].copy_(dev_rows[1])
         self.context_lens[:n].copy_(dev_rows[2])
-        self.block_tables[:n, :width].copy_(host_tables, non_blocking=True)
+        # tables is a strided view of the staging array: stage() copies it dense and pinned
+        self.block_tables[:n, :width].copy_(stage(torch.from_numpy(tables), dev))
         if bs > n:  # rows left from a larger earlier step must not touch real blocks
             self._reset_rows(n, bs, width)
 

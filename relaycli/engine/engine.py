@@ -104,6 +104,7 @@ class Engine:
         self._live: dict[int, _Live] = {}
         self.token_ids_by_row: dict[int, list[int]] | None = {} if record_token_ids else None
         self._pending: StepHandle | None = None  # the launched step not yet read back
+        self._unattributed = 0.0  # seconds of calls that read nothing back (the first launch)
 
     # ---- turning rows into sequences -------------------------------------------------
     def _to_token_request(self, row: RequestRow) -> TokenRequest | ResultRow:
@@ -200,38 +201,53 @@ class Engine:
         device's step instead of following it. A sequence that reaches max_tokens is known
         to end when its last step is launched; one that ends at EOS or a stop string is
         seen a step late and has already been given one more step, whose token is dropped.
+        A prefill step is read back before the next launch: its rows' first tokens then
+        arrive when the device has them (exact time to first token), at the cost of one
+        serial schedule per prefill round.
         """
         t0 = time.perf_counter()
+        finished: list[ResultRow] = []
+        read = None  # the step read back here: this call's time is mostly waiting for it
+        if self._pending is not None and self._pending.is_prefill:
+            finished, read, self._pending = self._read_back(self._pending), self._pending, None
         seqs, is_prefill = self.scheduler.schedule() if self.scheduler.num_unfinished else ([], False)
         self.stats.preemptions = self.scheduler.num_preemptions
-        if not seqs and self._pending is None:
+        if not seqs and self._pending is None and read is None:
+            if not self.scheduler.num_unfinished:
+                return finished
             raise RuntimeError("scheduler found nothing to run with sequences pending")
         launched = None
         if seqs:
-            num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else 0
             launched = self.runner.launch(seqs, is_prefill, self._pending)
             for seq in seqs:
                 if seq.num_completion_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_context:
                     seq.finish_reason = "length"  # unless its last token turns out to stop it first
                     self.scheduler.finish(seq)
-        finished = self._read_back(self._pending) if self._pending is not None else []
+        if self._pending is not None:
+            finished += self._read_back(self._pending)
+            read = self._pending
         self._pending = launched
         if launched is not None and not self.config.overlap_steps:
             finished += self._read_back(launched)
-            self._pending = None
-        dt = time.perf_counter() - t0
-        if not seqs:
-            pass  # a last read-back: its time belongs to the step it finishes
-        elif is_prefill:
-            self.stats.prefill_steps += 1
-            self.stats.prefill_seconds += dt
-            self.stats.prefill_tokens += num_new
-            self.stats.prefill_step_log.append((len(seqs), num_new, dt))
-        else:
-            self.stats.decode_steps += 1
-            self.stats.decode_seconds += dt
-            self.stats.decode_step_seconds.append(dt)
+            read, self._pending = launched, None
+        self._unattributed += time.perf_counter() - t0
+        if read is not None:
+            self._account(read, self._unattributed)
+            self._unattributed = 0.0
         return finished
+
+    def _account(self, step: StepHandle, seconds: float) -> None:
+        """Step counts and times, by the kind of step that was read back."""
+        st = self.stats
+        if step.is_prefill:
+            st.prefill_steps += 1
+            st.prefill_seconds += seconds
+            st.prefill_tokens += step.num_new_tokens
+            st.prefill_step_log.append((len(step.seqs), step.num_new_tokens, seconds))
+        else:
+            st.decode_steps += 1
+            st.decode_seconds += seconds
+            st.decode_step_seconds.append(seconds)
 
     def _read_back(self, step: StepHandle) -> list[ResultRow]:
         """Put a finished step's real tokens in place of its placeholders; end sequences."""

@@ -13,6 +13,7 @@ from models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
+from relaycli.engine.staging import stage, to_device
 
 _CPU_DEFAULT_KV_GB = 2.0
 
@@ -106,21 +107,20 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             is_decode=not is_prefill,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            cu_seqlens_q=to_device(cu, torch.int32, dev),
             max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(seqs))),
-            context_lens=torch.tensor([s.num_own_tokens for s in seqs], dtype=torch.int32, device=dev),
+            context_lens=to_device([s.num_own_tokens for s in seqs], torch.int32, dev),
             max_context_len=max(s.num_own_tokens for s in seqs),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=to_device(tables, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
             block_size=self.block_size,
             prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens,
-                                       torch.tensor(rows, dtype=torch.int64, device=dev),
-                                       torch.tensor(q_rows, dtype=torch.int64, device=dev))
+                                       to_device(rows, torch.int64, dev), to_device(q_rows, torch.int64, dev))
                            for slot, (rows, q_rows) in sorted(groups.items())],
         )
-        last_rows = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=dev)
-        ids = decode_ids if decode_ids is not None else torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta, last_rows
+        last_rows = to_device([c - 1 for c in cu[1:]], torch.int64, dev)
+        ids = decode_ids if decode_ids is not None else to_device(input_ids, torch.int64, dev)
+        return ids, to_device(positions, torch.int64, dev), meta, last_rows
 
     def decode_input_ids(self, seqs: list[Sequence], prev: "StepHandle | None") -> torch.Tensor:
         """[B] int64 on the device: each sequence's last token. Where that token is the one
@@ -132,15 +132,11 @@ class ModelRunner:
             return prev.tokens  # the same batch as the step before: its output is this input
         from_prev = [r is not None for r in src_rows]
         host_ids = torch.tensor([0 if p else s.last_token for s, p in zip(seqs, from_prev)], dtype=torch.int64)
-        if not any(from_prev):
-            return host_ids.to(self.device, non_blocking=True)
-        src = torch.tensor([r or 0 for r in src_rows], dtype=torch.int64)
-        mask = torch.tensor(from_prev)
-        if self.device.type == "cuda":  # pinned staging: a pageable copy could wait for the running step
-            host_ids, src, mask = host_ids.pin_memory(), src.pin_memory(), mask.pin_memory()
         dev = self.device
-        return torch.where(mask.to(dev, non_blocking=True), prev.tokens[src.to(dev, non_blocking=True)],
-                           host_ids.to(dev, non_blocking=True))
+        if not any(from_prev):
+            return stage(host_ids, dev)
+        src = to_device([r or 0 for r in src_rows], torch.int64, dev)
+        return torch.where(to_device(from_prev, torch.bool, dev), prev.tokens[src], stage(host_ids, dev))
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: "StepHandle | None" = None) -> "StepHandle":
@@ -152,6 +148,7 @@ class ModelRunner:
         not yet read back, whose tokens this step's decode inputs may be.
         """
         decode_ids = None
+        num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else len(seqs)
         if is_prefill:
             assert prev is None or not any(s.seq_id in prev.rows for s in seqs), \
                 "a prefill must not start from a token that is still being computed"
@@ -170,7 +167,7 @@ class ModelRunner:
             seq.num_cached_own = seq.num_own_tokens
             indices.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER_TOKEN)
-        return StepHandle(seqs, is_prefill, indices, tokens)
+        return StepHandle(seqs, is_prefill, indices, tokens, num_new)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step, waited for: the next token of each sequence (appended to its output_ids)."""
@@ -188,8 +185,10 @@ class StepHandle:
     """A launched step: its sequences, where each one's new token goes in its output_ids,
     and the sampled ids, copied to the host without blocking (read with tokens_list())."""
 
-    def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor) -> None:
+    def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor,
+                 num_new_tokens: int) -> None:
         self.seqs, self.is_prefill, self.indices = seqs, is_prefill, indices
+        self.num_new_tokens = num_new_tokens  # tokens this step computed
         self.tokens = tokens  # [B] int64 on the device: the next step's inputs
         self.rows = {s.seq_id: b for b, s in enumerate(seqs)}
         self._event = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from relaycli.engine.sequence import SamplingOptions
+from relaycli.engine.staging import to_device
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -59,16 +60,17 @@ class Sampler:
             vocab = logits.shape[-1]
             dev = logits.device
             picked = [options[i] for i in rows]
-            temperature = torch.tensor([o.temperature for o in picked], dtype=logits.dtype, device=dev)
+            temperature = to_device([o.temperature for o in picked], logits.dtype, dev)
+            index = to_device(rows, torch.int64, dev)  # a list index would copy and wait
             if any((o.top_k or vocab) < vocab or o.top_p < 1.0 for o in picked):
                 log_p = filter_logits(
-                    logits[rows], temperature,
-                    torch.tensor([min(o.top_k or vocab, vocab) for o in picked], dtype=torch.int64, device=dev),
-                    torch.tensor([o.top_p for o in picked], dtype=logits.dtype, device=dev))
+                    logits[index], temperature,
+                    to_device([min(o.top_k or vocab, vocab) for o in picked], torch.int64, dev),
+                    to_device([o.top_p for o in picked], logits.dtype, dev))
             else:  # temperature only: no sort over the vocabulary
-                log_p = torch.log_softmax(logits[rows] / temperature[:, None], dim=-1)
+                log_p = torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
             u = torch.stack([torch.rand(vocab, generator=self.generator(seq_ids[i], options[i].seed), device=dev)
                              for i in rows])
             gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-            choice[rows] = (log_p + gumbel).argmax(dim=-1)
+            choice[index] = (log_p + gumbel).argmax(dim=-1)
         return choice
