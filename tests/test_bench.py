@@ -191,3 +191,18 @@ def test_merge_reports_joins_split_runs():
     assert [m["kind"] for m in merged] == ["e2e", "kernels"]
     assert [r["system"] for r in merged[0]["rows"]] == ["relay", "no-relay"]
     assert merged[0]["rows"][0]["speedup_vs_no_relay"] == pytest.approx(3.0)
+
+
+def test_sweep_summary_compares_relay_with_its_floor_from_shortest_to_longest_prompt():
+    from relaycli.bench.report import sweep_summary
+    rows = [dict(system="relay", max_batch=64, system_tokens=s, requests_per_s=rps, floor_step_s=f)
+            for s, rps, f in [(2048, 9.0, 0.011), (512, 10.0, 0.010), (16384, 7.0, 0.0125)]]
+    rows += [dict(system="no-relay", max_batch=64, system_tokens=s, requests_per_s=1.0, floor_step_s=0.01)
+             for s in (512, 16384)]
+    rows += [dict(system="relay", max_batch=16, system_tokens=512, requests_per_s=3.0, floor_step_s=0.01),
+             dict(system="relay", max_batch=16, system_tokens=512, skipped="too large")]
+    (only,) = sweep_summary({"rows": rows})  # no-relay's floor is not its own; B=16 has one length
+    assert (only["from_tokens"], only["to_tokens"], only["max_batch"]) == (512, 16384, 64)
+    assert only["measured_change"] == pytest.approx(-0.3)
+    assert only["predicted_change"] == pytest.approx(-0.2)
+    assert only["points_over_prediction"] == pytest.approx(10.0)

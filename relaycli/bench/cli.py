@@ -107,7 +107,6 @@ def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Pa
 def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,
          hf_requests, kv_cache_gb, quiet, short=False) -> dict:
     from relaycli.bench.e2e import E2EOptions, run_e2e
-    from relaycli.bench.report import e2e_table
     given = dict(model=model, workload=workload, requests=requests,
                  system_tokens=_ints(system_tokens, "--system-tokens"),
                  max_batch=_ints(max_batch, "--max-batch"), max_output_len=max_output_len, hf_requests=hf_requests,
@@ -115,8 +114,18 @@ def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, de
     opts = {**default_e2e(_is_cuda(device), short), **{k: v for k, v in given.items() if v is not None}}
     report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb),
                      _progress(quiet))
-    _out().print(e2e_table(report))
+    _print_e2e(report)
     return report
+
+
+def _print_e2e(report: dict) -> None:
+    """The e2e table, then the sweep across system-prompt lengths (also kept in the JSON)."""
+    from relaycli.bench.report import e2e_table, sweep_summary, sweep_table
+    _out().print(e2e_table(report))
+    report["sweep"] = sweep_summary(report)
+    sweep = sweep_table(report)
+    if sweep is not None:
+        _out().print(sweep)
 
 
 def _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet) -> dict:
@@ -213,7 +222,7 @@ def show_cmd(
     dtype and workload are joined (rows of several --system-tokens runs make one line)."""
     import json
 
-    from relaycli.bench.report import e2e_table, kernels_table, merge_reports
+    from relaycli.bench.report import kernels_table, merge_reports
     with _refusals():
         _check_outputs(json_path, plot_path)
         reports = []
@@ -228,5 +237,8 @@ def show_cmd(
             reports += found
         reports = merge_reports(reports)
         for rep in reports:
-            _out().print(e2e_table(rep) if rep["kind"] == "e2e" else kernels_table(rep))
+            if rep["kind"] == "e2e":
+                _print_e2e(rep)
+            else:
+                _out().print(kernels_table(rep))
         _save(reports, json_path, plot_path, False)

@@ -46,6 +46,45 @@ def e2e_table(report: dict) -> Table:
     return t
 
 
+def sweep_summary(report: dict) -> list[dict]:
+    """How relay's throughput changes from the shortest to the longest system prompt,
+    against what the roofline predicts for its decode step (throughput taken as the
+    inverse of the step floor). points_over_prediction > 0: it fell by that many
+    percentage points more than predicted. One entry per max batch with relay rows at two
+    or more system-prompt lengths. Only relay: the floor is relay's work, not a peer's."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in report.get("rows", []):
+        if r["system"] == "relay" and "skipped" not in r and r.get("floor_step_s") and r.get("requests_per_s"):
+            groups.setdefault((r["system"], r["max_batch"]), []).append(r)
+    out = []
+    for (system, batch), rows in groups.items():
+        if len({r["system_tokens"] for r in rows}) < 2:
+            continue
+        lo = min(rows, key=lambda r: r["system_tokens"])
+        hi = max(rows, key=lambda r: r["system_tokens"])
+        measured = hi["requests_per_s"] / lo["requests_per_s"] - 1
+        predicted = lo["floor_step_s"] / hi["floor_step_s"] - 1
+        out.append(dict(system=system, max_batch=batch, from_tokens=lo["system_tokens"], to_tokens=hi["system_tokens"],
+                        measured_change=measured, predicted_change=predicted,
+                        points_over_prediction=100 * (predicted - measured)))
+    return out
+
+
+def sweep_table(report: dict) -> Table | None:
+    rows = sweep_summary(report)
+    if not rows:
+        return None
+    t = Table(title="relay's throughput across system-prompt lengths (prediction: its decode-step floor)",
+              title_justify="left")
+    for col in ("system", "max batch", "S from", "S to", "req/s change", "predicted", "points over prediction"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        t.add_row(r["system"], str(r["max_batch"]), str(r["from_tokens"]), str(r["to_tokens"]),
+                  f"{100 * r['measured_change']:+.1f}%", f"{100 * r['predicted_change']:+.1f}%",
+                  f"{r['points_over_prediction']:+.1f}")
+    return t
+
+
 def kernels_table(report: dict) -> Table:
     h = report["heads"]
     title = (f"relay bench kernels ({report['impl']}): Hq={h['q_heads']} Hkv={h['kv_heads']} D={h['head_dim']} "
