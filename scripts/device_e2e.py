@@ -25,7 +25,8 @@ import torch
 
 from models.registry import load_model
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids
-from relaycli.bench.e2e import hf_twin, run_engine
+from relaycli.bench.e2e import run_engine
+from relaycli.bench.hf_peer import hf_twin
 from relaycli.bench.workloads import RequestShape
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
