@@ -70,6 +70,9 @@ class ModelRunner:
         if config.kv_cache_gb is not None:
             budget = config.kv_cache_gb * 1024**3
         elif self.device.type == "cuda":
+            # Blocks PyTorch caches but no tensor uses (say, a prefix prefill's activations)
+            # count as taken in mem_get_info: hand them back first.
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for the activations of the largest prefill step (hidden states,
             # q/k/v, the MLP's gate/up and its product, in the run dtype) and the logits.
