@@ -112,7 +112,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "graph_captures_in_run": graphs.num_captures - captures_before[0] if graphs else 0,
            "graph_capture_s_in_run": graphs.capture_seconds - captures_before[1] if graphs else 0.0,
            "kernel_compiles_in_run": (None if variants_before is None else triton_variants() - variants_before),
-           "decode_step_p50_s": st.as_dict()["decode_step_p50_seconds"],
+           "decode_step_p50_s": st.decode_step_p50(),
            "prefill_tokens": st.prefill_tokens, "prefill_steps": st.prefill_steps,
            "prefill_step_log": [list(x) for x in st.prefill_step_log],  # [sequences, tokens, seconds]
            "_ids": engine.token_ids_by_row, **ttft_stats(st.ttft_seconds)}

@@ -52,19 +52,19 @@ def sweep_summary(report: dict) -> list[dict]:
     inverse of the step floor). points_over_prediction > 0: it fell by that many
     percentage points more than predicted. One entry per max batch with relay rows at two
     or more system-prompt lengths. Only relay: the floor is relay's work, not a peer's."""
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[int, list[dict]] = {}
     for r in report.get("rows", []):
         if r["system"] == "relay" and "skipped" not in r and r.get("floor_step_s") and r.get("requests_per_s"):
-            groups.setdefault((r["system"], r["max_batch"]), []).append(r)
+            groups.setdefault(r["max_batch"], []).append(r)
     out = []
-    for (system, batch), rows in groups.items():
+    for batch, rows in groups.items():
         if len({r["system_tokens"] for r in rows}) < 2:
             continue
         lo = min(rows, key=lambda r: r["system_tokens"])
         hi = max(rows, key=lambda r: r["system_tokens"])
         measured = hi["requests_per_s"] / lo["requests_per_s"] - 1
         predicted = lo["floor_step_s"] / hi["floor_step_s"] - 1
-        out.append(dict(system=system, max_batch=batch, from_tokens=lo["system_tokens"], to_tokens=hi["system_tokens"],
+        out.append(dict(system="relay", max_batch=batch, from_tokens=lo["system_tokens"], to_tokens=hi["system_tokens"],
                         measured_change=measured, predicted_change=predicted,
                         points_over_prediction=100 * (predicted - measured)))
     return out

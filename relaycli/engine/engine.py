@@ -43,7 +43,6 @@ class EngineStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prefill_steps: int = 0
-    prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
     decode_steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -53,25 +52,39 @@ class EngineStats:
     prefill_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, tokens, s
     started: float = field(default_factory=time.perf_counter)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Own tokens computed by prefill steps (recomputed ones count again)."""
+        return sum(tokens for _, tokens, _ in self.prefill_step_log)
+
+    def decode_step_p50(self) -> float | None:
+        return _quantile(sorted(self.decode_step_seconds), 0.5)
+
     def generated_tokens_per_second(self) -> float:
         """Cheap enough to call after every row (as_dict sorts every TTFT)."""
         elapsed = time.perf_counter() - self.started
         return self.completion_tokens / elapsed if elapsed > 0 else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("started", "ttft_seconds", "decode_step_seconds", "prefill_step_log")}
+        lists = ("started", "ttft_seconds", "decode_step_seconds", "prefill_step_log")
+        d = {k: v for k, v in self.__dict__.items() if k not in lists}
+        d["prefill_tokens"] = self.prefill_tokens
         ttft = sorted(self.ttft_seconds)
         d["ttft_mean_seconds"] = sum(ttft) / len(ttft) if ttft else None
-        d["ttft_p50_seconds"] = ttft[len(ttft) // 2] if ttft else None
-        d["ttft_p90_seconds"] = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None
+        d["ttft_p50_seconds"] = _quantile(ttft, 0.5)
+        d["ttft_p90_seconds"] = _quantile(ttft, 0.9)
         d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
-        steps = sorted(self.decode_step_seconds)
-        d["decode_step_p50_seconds"] = steps[len(steps) // 2] if steps else None
+        d["decode_step_p50_seconds"] = self.decode_step_p50()
         elapsed = time.perf_counter() - self.started
         d["elapsed_seconds"] = elapsed
         d["generated_tokens_per_second"] = self.generated_tokens_per_second()
         d["rows_per_second"] = self.rows / elapsed if elapsed > 0 else 0.0
         return d
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (the element at index q * n), None when empty."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 @dataclass
@@ -242,7 +255,6 @@ class Engine:
         if step.is_prefill:
             st.prefill_steps += 1
             st.prefill_seconds += seconds
-            st.prefill_tokens += step.num_new_tokens
             st.prefill_step_log.append((len(step.seqs), step.num_new_tokens, seconds))
         else:
             st.decode_steps += 1

@@ -13,7 +13,7 @@ from models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
-from relaycli.engine.staging import stage, to_device
+from relaycli.engine.staging import to_device
 
 _CPU_DEFAULT_KV_GB = 2.0
 
@@ -134,12 +134,12 @@ class ModelRunner:
         if len(seqs) == len(rows) and src_rows == list(range(len(seqs))):
             return prev.tokens  # the same batch as the step before: its output is this input
         from_prev = [r is not None for r in src_rows]
-        host_ids = torch.tensor([0 if p else s.last_token for s, p in zip(seqs, from_prev)], dtype=torch.int64)
         dev = self.device
+        host_ids = to_device([0 if p else s.last_token for s, p in zip(seqs, from_prev)], torch.int64, dev)
         if not any(from_prev):
-            return stage(host_ids, dev)
+            return host_ids
         src = to_device([r or 0 for r in src_rows], torch.int64, dev)
-        return torch.where(to_device(from_prev, torch.bool, dev), prev.tokens[src], stage(host_ids, dev))
+        return torch.where(to_device(from_prev, torch.bool, dev), prev.tokens[src], host_ids)
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: "StepHandle | None" = None) -> "StepHandle":
