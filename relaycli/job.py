@@ -17,7 +17,7 @@ from models.registry import LoadedModel, load_model
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
-from relaycli.engine.engine import Engine, EngineStats
+from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.reader import open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
 from relaycli.io.writer import ResultWriter
@@ -102,10 +102,11 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
             on_start(source.num_rows, len(done))
         engine.stats.started = time.perf_counter()
         rows = read_requests(source, opts.defaults, skip=done)
-        for result in engine.generate(rows):
-            writer.write(result)
-            if on_result is not None:
-                on_result(engine.stats)
+        with frozen_heap():
+            for result in engine.generate(rows):
+                writer.write(result)
+                if on_result is not None:
+                    on_result(engine.stats)
         writer.finalize(source.num_rows)
     finally:
         writer.close()

@@ -96,6 +96,20 @@ def test_price_decode_uses_the_mean_step():
     assert row["mean_decode_batch"] == 3 and row["floor_bound"] == "flops"
     assert row["floor_step_s"] == pytest.approx(10.272) and row["floor_fraction"] == pytest.approx(0.5)
     assert row["tokens_per_s"] == pytest.approx(0.18) and row["requests_per_s"] == pytest.approx(0.06)
+    assert "large_batch_floor_fraction" not in row  # no per-step log: nothing to price one by one
+
+
+def test_price_decode_prices_large_batch_steps_one_by_one(monkeypatch):
+    # The hand case again (batch 3, context 15: floor 10.272 s) with the large-batch limit
+    # lowered to 3. Steps of batch 3 count, the batch-1 step does not.
+    import relaycli.bench.roofline as roofline
+    monkeypatch.setattr(roofline, "LARGE_BATCH", 3)
+    row = {"requests": 3, "seconds": 50.0, "generated_tokens": 9, "decode_steps": 3, "decode_queries": 7,
+           "decode_context_sum": 35, "decode_step_s": 15.0,
+           "decode_step_log": [[3, 15, 20.544], [1, 5, 1.0], [3, 15, 10.272]]}
+    price_decode(row, SHAPE, 10, Ceilings(1000.0, 1000.0))
+    assert row["large_batch_steps"] == 2 and row["large_batch_step_s"] == pytest.approx(15.408)
+    assert row["large_batch_floor_fraction"] == pytest.approx(2 * 10.272 / (20.544 + 10.272))
 
 
 def test_attention_floor_and_context_sum_by_hand():

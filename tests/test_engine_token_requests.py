@@ -70,9 +70,64 @@ def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
     assert sorted(out) == list(range(len(owns)))
     st = engine.stats
     assert len(st.ttft_seconds) == len(owns)  # one first token per row, recomputed ones not again
-    assert st.decode_steps == len(st.decode_step_seconds) and st.prefill_steps == len(st.prefill_step_log)
+    assert st.decode_steps == len(st.decode_step_log) and st.prefill_steps == len(st.prefill_step_log)
     assert st.prefill_tokens >= sum(map(len, owns)) and engine._pending is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     _, waited = run(EngineConfig(max_num_seqs=6, kv_cache_gb=8 * per_block / 1024**3, overlap_steps=False),
                     limits, False, eos)
     assert waited.token_ids_by_row == engine.token_ids_by_row  # reading back at once changes nothing
+
+
+def test_decode_step_log_counts_each_steps_batch_and_own_context():
+    """Without preemption or EOS, the decode steps' batches add up to every request's
+    output_len - 1 queries, and their context sums to what the roofline prices."""
+    from relaycli.bench.roofline import decode_context_sum
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    rng = random.Random()
+    vocab = lm.config.vocab_size
+    ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+    prefix = prefix_from_ids(lm, ids)
+    shapes = [(rng.randint(1, 30), rng.randint(1, 12)) for _ in range(9)]
+    reqs = [TokenRequest(i, str(i), ids + [rng.randrange(vocab) for _ in range(n_in)],
+                         SamplingOptions(max_tokens=n_out, ignore_eos=True), prefix_slot=0)
+            for i, (n_in, n_out) in enumerate(shapes)]
+    engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=rng.randint(2, 5)))
+    assert len(list(engine.generate_tokens(reqs))) == len(shapes)
+    log = engine.stats.decode_step_log
+    assert len(log) == engine.stats.decode_steps and all(b >= 1 and s >= 0 for b, _, s in log)
+    assert sum(b for b, _, _ in log) == sum(n_out - 1 for _, n_out in shapes)
+    assert sum(c for _, c, _ in log) == sum(decode_context_sum(n_in, n_out) for n_in, n_out in shapes)
+
+
+def test_frozen_heap_spares_setup_objects_and_unfreezes_on_exit():
+    """Inside, objects alive on entry are out of the collector's reach; garbage made
+    before entry is collected on entry, and a cycle frozen inside is collectable again
+    after exit (the engine's runner <-> graphs cycle holds the KV cache)."""
+    import gc
+    import weakref
+
+    from relaycli.bench.e2e import GcPauses
+    from relaycli.engine.engine import frozen_heap
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return a, weakref.ref(a)
+
+    dead_before = cycle()[1]  # garbage on entry
+    kept, kept_ref = cycle()  # alive on entry, dropped inside
+    with frozen_heap(), GcPauses() as pauses:
+        assert dead_before() is None and gc.get_freeze_count() > 0
+        del kept
+        gc.collect()
+        assert kept_ref() is not None  # frozen: the collection did not look at it
+        made_inside = cycle()[1]
+        gc.collect()
+        assert made_inside() is None  # what the job allocates is still collected
+    assert gc.get_freeze_count() == 0
+    assert pauses.count == 2 and pauses.seconds > 0
+    gc.collect()
+    assert kept_ref() is None

@@ -20,7 +20,7 @@ from relaycli.bench.roofline import ModelShape, decode_context_sum, measure_ceil
 from relaycli.bench.workloads import RequestShape, get_workload, length_summary, make_requests
 from relaycli.compile import TokenPrefix, prefix_from_ids
 from relaycli.config import EngineConfig
-from relaycli.engine.engine import Engine, EngineStats, TokenRequest
+from relaycli.engine.engine import Engine, EngineStats, TokenRequest, frozen_heap
 from relaycli.engine.sequence import SamplingOptions
 
 SYSTEMS = ("relay", "no-relay", "hf")
@@ -91,11 +91,14 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     captures_before = (graphs.num_captures, graphs.capture_seconds) if graphs else (0, 0.0)
     variants_before = triton_variants()
     reqs = requests()
-    sync(dev)
-    start = time.perf_counter()
-    results = list(engine.generate_tokens(reqs))
-    sync(dev)
-    elapsed = time.perf_counter() - start
+    allocs_before = cuda_allocator_counts(dev)
+    with frozen_heap(), GcPauses() as gc_pauses:
+        sync(dev)
+        start = time.perf_counter()
+        results = list(engine.generate_tokens(reqs))
+        sync(dev)
+        elapsed = time.perf_counter() - start
+    allocs = {k: v - allocs_before[k] for k, v in cuda_allocator_counts(dev).items()}
     st = engine.stats
     exact = len(results) == len(shapes) and all(
         r.finish_reason == "length" and r.completion_tokens == shapes[r.row_index].output_len for r in results)
@@ -115,10 +118,46 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "decode_step_p50_s": st.decode_step_p50(),
            "prefill_tokens": st.prefill_tokens, "prefill_steps": st.prefill_steps,
            "prefill_step_log": [list(x) for x in st.prefill_step_log],  # [sequences, tokens, seconds]
+           "decode_step_log": [list(x) for x in st.decode_step_log],  # [sequences, own context, seconds]
+           # host stalls inside the timed run: Python's cyclic GC, and the CUDA caching
+           # allocator going back to the driver (a retry frees its cache first)
+           "gc_collections_in_run": gc_pauses.count, "gc_pause_s_in_run": gc_pauses.seconds,
+           **{f"{k}_in_run": v for k, v in allocs.items()},
            "_ids": engine.token_ids_by_row, **ttft_stats(st.ttft_seconds)}
     del engine, graphs  # the graphs hold the KV cache too: both go before the next engine sizes its own
     free_memory(dev)
     return out
+
+
+class GcPauses:
+    """Counts Python's garbage collections, and the time they take, while active."""
+
+    def __enter__(self) -> "GcPauses":
+        import gc
+        self.count, self.seconds, self._t0 = 0, 0.0, None
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+
+def cuda_allocator_counts(dev) -> dict[str, int]:
+    """The CUDA caching allocator's driver allocations and retries so far (empty on CPU)."""
+    if dev.type != "cuda":
+        return {}
+    import torch
+    stats = torch.cuda.memory_stats(dev)
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "cuda_alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def triton_variants() -> int | None:

@@ -28,7 +28,7 @@ def e2e_table(report: dict) -> Table:
              f"{wl['name']} x {wl['requests']} (seed {wl['seed']}); {_ceilings(report)}")
     t = Table(title=title, title_justify="left")
     for col in ("system", "S", "max batch", "req/s", "tok/s", "x no-relay", "TTFT p50 (s)", "TTFT p90 (s)",
-                "step (ms)", "floor (ms)", "% floor", "exact", "same ids"):
+                "step (ms)", "floor (ms)", "% floor", "% floor B>=64", "exact", "same ids"):
         t.add_column(col, justify="left" if col == "system" else "right")
     for r in report["rows"]:
         if "skipped" in r:
@@ -42,6 +42,7 @@ def e2e_table(report: dict) -> Table:
                   _fmt(r.get("ttft_p50_s"), ".3f"), _fmt(r.get("ttft_p90_s"), ".3f"),
                   _fmt(step and 1e3 * step, ".2f"), _fmt(floor and 1e3 * floor, ".3f"),
                   _fmt(r.get("floor_fraction") and 100 * r["floor_fraction"], ".1f"),
+                  _fmt(r.get("large_batch_floor_fraction") and 100 * r["large_batch_floor_fraction"], ".1f"),
                   "yes" if r.get("exact_lengths") else "NO", r.get("same_tokens_as_relay", "-"))
     return t
 

@@ -118,9 +118,15 @@ def decode_context_sum(input_len: int, output_len: int) -> int:
     return steps * input_len + steps * (steps + 1) // 2
 
 
+LARGE_BATCH = 64  # issue 6 holds decode steps of this batch and more to their floor
+
+
 def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings) -> dict:
     """Add rates and the floor of the mean decode step to a run's row: decode_queries /
-    decode_steps is the mean batch, decode_context_sum / decode_steps its context sum."""
+    decode_steps is the mean batch, decode_context_sum / decode_steps its context sum.
+    Where the row logs every decode step ([batch, own context sum, seconds], the
+    engine's), the steps of LARGE_BATCH requests or more are also priced one by one:
+    large_batch_floor_fraction is their floors' sum over their times' sum."""
     row["requests_per_s"] = row["requests"] / row["seconds"]
     row["tokens_per_s"] = row["generated_tokens"] / row["seconds"]
     if row.get("decode_steps") and row.get("decode_queries"):
@@ -129,6 +135,12 @@ def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceiling
                               row["decode_context_sum"] / steps, ceil)
         row.update(mean_decode_batch=row["decode_queries"] / steps, floor_step_s=f.seconds, floor_bound=f.bound,
                    floor_bytes=f.bytes, floor_flops=f.flops, floor_fraction=f.seconds / row["decode_step_s"])
+    large = [(b, c, s) for b, c, s in row.get("decode_step_log") or () if b >= LARGE_BATCH]
+    if large:
+        floors = sum(decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in large)
+        seconds = sum(s for _, _, s in large)
+        row.update(large_batch_steps=len(large), large_batch_step_s=seconds / len(large),
+                   large_batch_floor_fraction=floors / seconds if seconds > 0 else None)
     return row
 
 

@@ -152,6 +152,7 @@ class ModelRunner:
         """
         decode_ids = None
         num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else len(seqs)
+        num_context = sum(s.num_own_tokens for s in seqs)  # a decode query's own keys; a prefill's longest
         if is_prefill:
             assert prev is None or not any(s.seq_id in prev.rows for s in seqs), \
                 "a prefill must not start from a token that is still being computed"
@@ -170,7 +171,7 @@ class ModelRunner:
             seq.num_cached_own = seq.num_own_tokens
             indices.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER_TOKEN)
-        return StepHandle(seqs, is_prefill, indices, tokens, num_new)
+        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step, waited for: the next token of each sequence (appended to its output_ids)."""
@@ -189,9 +190,10 @@ class StepHandle:
     and the sampled ids, copied to the host without blocking (read with tokens_list())."""
 
     def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor,
-                 num_new_tokens: int) -> None:
+                 num_new_tokens: int, num_context_tokens: int) -> None:
         self.seqs, self.is_prefill, self.indices = seqs, is_prefill, indices
         self.num_new_tokens = num_new_tokens  # tokens this step computed
+        self.num_context_tokens = num_context_tokens  # own tokens its queries attend to, summed
         self.tokens = tokens  # [B] int64 on the device: the next step's inputs
         self.rows = {s.seq_id: b for b, s in enumerate(seqs)}
         self._event = None
