@@ -5,11 +5,15 @@ request reads only its own few hundred keys, so the kernel is bound by latency m
 by bandwidth, and the tile config decides how many loads are in flight. This times the
 candidates on the shapes `relay bench e2e` meets (ShareGPT-like own contexts of 16-800
 tokens, a 2,048-token shared prefix), checks each against kernels/reference.py, and prints
-GB/s and % of copy bandwidth. Usage: python scripts/device_context_sweep.py
+GB/s and % of copy bandwidth. --graph-path times the whole relay decode attention the
+way a CUDA-graphed step runs it (context on a side stream into partials, one merge) for
+tile configs x context split counts, against the attention floor.
+Usage: python scripts/device_context_sweep.py [--graph-path] [--models llama3-8b] [--batches 256,64]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -23,7 +27,7 @@ import torch  # noqa: E402
 from device_kernels import bench_us, ceilings  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import paged_attention, paged_config  # noqa: E402
-from kernels.triton_ops import relay_attention  # noqa: E402
+from kernels.triton_ops import relay_attention, relay_attention_with  # noqa: E402
 from kernels.triton_plan import split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
@@ -33,7 +37,17 @@ CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
             (32, 4, 2), (32, 2, 1), (64, 2, 2), (64, 4, 2), (64, 2, 3), (64, 4, 3), (64, 4, 1), (128, 4, 2)]]
 
 
+HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+GRAPH_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+                 [(32, 2, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--graph-path", action="store_true")
+    ap.add_argument("--models", default="llama2-7b,llama3-8b")
+    ap.add_argument("--batches", default="64,256")
+    args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
     out_dir = Path(os.environ.get("OUT") or "out")
@@ -41,8 +55,9 @@ def main() -> None:
     results = []
     gen = torch.Generator(device=dev)
     gen.seed()
-    for name, (hq, hkv, d) in {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}.items():
-        for batch in (64, 256):
+    for name in args.models.split(","):
+        hq, hkv, d = HEADS[name]
+        for batch in map(int, args.batches.split(",")):
             q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, 2048, 800, dev, torch.bfloat16, gen)
             lens = torch.randint(16, 801, (batch,), generator=gen, device=dev, dtype=torch.int32)
             meta.context_lens.copy_(lens)
@@ -59,6 +74,9 @@ def main() -> None:
                                   num_splits=splits)
             own_bytes = int(lens.sum()) * hkv * d * 2 * 2
             io_bytes = q.numel() * 2 * 2 + o_p.numel() * 4 + l_p.numel() * 4
+            if args.graph_path:
+                results += graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil)
+                continue
             default = paged_config(hq // hkv, d, dev, 2, 800)
             for cfg in [None] + CONFIGS:
                 for heads_fast in (False, True):
@@ -89,6 +107,31 @@ def main() -> None:
             best[r["case"]] = r
     for case, r in best.items():
         print(f"BEST {case}: {r['time_us']:.1f} us {r['pct_copy']:.1f}% {r['config']}")
+
+
+def graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil) -> list[dict]:
+    """Whole relay decode attention as captured in a decode graph, per ctx tile x splits."""
+    floor_bytes = own_bytes + pre[0][0].numel() * 2 * 2 + 2 * q.numel() * 2
+    floor_us = floor_bytes / ceil["copy_bytes_per_s"] * 1e6
+    rows = []
+    for cfg in [None] + GRAPH_CONFIGS:
+        for splits in (None, 2, 4):
+            out = {}
+
+            def fn():
+                out["o"] = relay_attention_with(q, kc, vc, meta, pre, scale, ctx_config=cfg, ctx_splits=splits)
+            try:
+                t = bench_us(fn)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"{name} B={batch} {cfg} splits={splits}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            err = ((out["o"].double() - want.double()).norm() / want.double().norm()).item()
+            row = dict(case=f"{name} B={batch} graph", config=cfg, splits=splits, time_us=t,
+                       floor_us=floor_us, pct_floor=100 * floor_us / t, rel_err=err)
+            rows.append(row)
+            print(f"{row['case']:22s} {t:8.1f} us floor {floor_us:6.1f} us {row['pct_floor']:5.1f}% err {err:.1e} "
+                  f"splits={splits} {cfg or 'DEFAULT'}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Runs a dummy model with a shared prefix, lets the batch reach steady decode, the
 profiles a few decode steps with torch.profiler: the eager step by default, or with
 --graphed the step the engine runs (buffers filled, CUDA graph replayed, sampled).
 Usage:
-  python scripts/device_profile.py [--preset llama2-7b] [--prefix 2048] [--batch 256] [--graphed]
+  python scripts/device_profile.py [--preset llama2-7b] [--prefix 2048] [--batch 256] [--own 64] [--graphed]
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--relay", type=int, default=1)
+    ap.add_argument("--own", type=int, default=64, help="each request's own prompt tokens")
     ap.add_argument("--graphed", action="store_true", help="profile the engine's graphed step instead")
     args = ap.parse_args()
     rng = random.Random(0)
     lm = load_model(f"dummy:{args.preset}", dtype="bfloat16", device="cuda")
     ids = [rng.randrange(lm.config.vocab_size) for _ in range(args.prefix)]
     prefix = prefix_from_ids(lm, ids, "sys")
-    reqs = [TokenRequest(i, str(i), ids + [rng.randrange(lm.config.vocab_size) for _ in range(64)],
+    reqs = [TokenRequest(i, str(i), ids + [rng.randrange(lm.config.vocab_size) for _ in range(args.own)],
                          SamplingOptions(max_tokens=64, ignore_eos=True), prefix_slot=0) for i in range(args.batch)]
     eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=args.batch, relay=bool(args.relay)))
     for r in reqs:

@@ -77,6 +77,20 @@ def test_a_cache_bound_batch_also_waits_for_room_for_a_round():
     assert is_prefill and [s.seq_id for s in seqs] == [4, 5]
 
 
+def test_decode_steps_list_the_longest_own_context_first_and_keep_ties_in_order():
+    sched = Scheduler(EngineConfig(max_num_seqs=6, min_prefill_seqs=1), BlockManager(1000, 16))
+    lengths = [5, 40, 5, 17, 40, 1]
+    for i, own in enumerate(lengths):
+        sched.add(_seq(i, own))
+    assert sched.schedule()[1]
+    for step in range(3):
+        seqs, is_prefill = sched.schedule()
+        assert not is_prefill and [s.seq_id for s in seqs] == [1, 4, 3, 0, 2, 5]
+        for seq in seqs:
+            seq.output_ids.append(1)
+            seq.num_cached_own = seq.num_own_tokens
+
+
 def test_min_prefill_seqs_default_and_bounds():
     assert EngineConfig(max_num_seqs=256).min_prefill_seqs == 32
     assert EngineConfig(max_num_seqs=4).min_prefill_seqs == 1

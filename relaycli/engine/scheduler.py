@@ -8,7 +8,8 @@ waiting sequence does), and then runs until the slots are full. A prefill step i
 captured in a CUDA graph, so each one costs a whole eager forward pass of host time;
 refilling a slot the moment one sequence finishes would pay that once per request.
 When the cache runs out during decode, the newest sequence is preempted: its blocks
-are freed and it is recomputed later (its prefix is never recomputed).
+are freed and it is recomputed later (its prefix is never recomputed). A decode step
+lists its sequences longest own context first.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class Scheduler:
             else:
                 self.block_manager.append_slot(seq)
                 decode.append(seq)
+        # Longest own context first: the attention kernels launch a batch's programs in
+        # row order, so the longest ones start first and the short ones fill in behind
+        # them, instead of one long request starting last and running alone (longest
+        # processing time first). The order of a decode batch is otherwise free, and it
+        # is stable from step to step (every row grows by one token; ties keep their order).
+        decode.sort(key=lambda s: s.num_own_tokens, reverse=True)
         return decode, False
 
     def _round_can_start(self) -> bool:
