@@ -28,7 +28,8 @@ class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one new query
     cu_seqlens_q: torch.Tensor  # [B+1] int32, packed query offsets
     max_seqlen_q: int
-    context_lens: torch.Tensor  # [B] int32, own tokens including this step's new ones
+    context_lens: torch.Tensor  # [B] int32, own tokens including this step's new ones; 0: a padding
+    # row of a decode graph (one query, output dropped): the paged Triton kernel reads nothing for it
     max_context_len: int
     block_tables: torch.Tensor  # [B, max_blocks] int32, own KV blocks
     slot_mapping: torch.Tensor  # [N] int64, flat cache slot of each new token's k/v

@@ -100,7 +100,9 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     # own keys every row of the tile sees, and keys at least one row sees
     own_all = first + pid_m * BLOCK_M // G + 1
     own_any = first + tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // G) + 1
-    pre = prefix_len  # 0 without a prefix
+    # 0 without a prefix. A row with no own tokens is padding (a CUDA graph's rows past
+    # the batch): this kernel reads nothing for it, not even its prefix (o = 0, lse = -inf).
+    pre = tl.where(ctx_len > 0, prefix_len, 0)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, pre + own_any)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)

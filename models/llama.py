@@ -241,7 +241,10 @@ class CausalLM(nn.Module):
         return ops.add_rms_norm(x, residual, self.model.norm)[0]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] -> logits [M, vocab] fp32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [M, hidden] -> logits [M, vocab] fp32, written into out [M, vocab] fp32 if given."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        logits = nn.functional.linear(hidden, weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)

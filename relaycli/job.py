@@ -100,9 +100,9 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
             return summary
         if on_start is not None:
             on_start(source.num_rows, len(done))
-        engine.stats.started = time.perf_counter()
         rows = read_requests(source, opts.defaults, skip=done)
         with frozen_heap():
+            engine.stats.started = time.perf_counter()  # after the entry's one collection
             for result in engine.generate(rows):
                 writer.write(result)
                 if on_result is not None:

@@ -106,7 +106,8 @@ def main() -> None:
         if "time_us" in r and r["rel_err"] < 1e-2 and (r["case"] not in best or r["time_us"] < best[r["case"]]["time_us"]):
             best[r["case"]] = r
     for case, r in best.items():
-        print(f"BEST {case}: {r['time_us']:.1f} us {r['pct_copy']:.1f}% {r['config']}")
+        pct = r.get("pct_copy", r.get("pct_floor"))  # of copy bandwidth, or (--graph-path) of the floor
+        print(f"BEST {case}: {r['time_us']:.1f} us {pct:.1f}% {r['config']} splits={r.get('splits')}")
 
 
 def graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil) -> list[dict]:

@@ -112,6 +112,45 @@ def test_price_decode_prices_large_batch_steps_one_by_one(monkeypatch):
     assert row["large_batch_floor_fraction"] == pytest.approx(2 * 10.272 / (20.544 + 10.272))
 
 
+def test_steps_by_batch_groups_steps_into_equal_batch_ranges_by_hand():
+    # Batch limit 8 in 4 ranges of 2: steps of batch 1, 2, 2 and 8. The range 1-2 holds
+    # three steps (median 2.0 s, mean 5/3 s, mean batch 5/3, context 10) priced as one
+    # step of that batch and context; the range 7-8 holds one step.
+    from relaycli.bench.report import steps_table
+    from relaycli.bench.roofline import steps_by_batch
+    ceil = Ceilings(1000.0, 1000.0)
+    log = [[1, 5, 1.0], [2, 10, 2.0], [2, 15, 2.0], [8, 40, 9.0]]
+    bins = steps_by_batch(log, 8, SHAPE, 10, ceil, num_bins=4)
+    assert [(b["batch_from"], b["batch_to"], b["steps"]) for b in bins] == [(1, 2, 3), (7, 8, 1)]
+    low = bins[0]
+    assert low["step_p50_s"] == 2.0 and low["step_mean_s"] == pytest.approx(5 / 3)
+    assert low["mean_batch"] == pytest.approx(5 / 3) and low["mean_context"] == pytest.approx(10)
+    assert low["floor_s"] == pytest.approx(decode_step_floor(SHAPE, 5 / 3, 10, 10, ceil).seconds)
+    # The table folds the ranges into quarters of the limit: here the same two ranges.
+    row = {"system": "relay", "system_tokens": 10, "max_batch": 8, "decode_steps_by_batch": bins}
+    table = steps_table({"rows": [row, {"system": "hf", "system_tokens": 10, "max_batch": 8}]})
+    assert table is not None and table.row_count == 2
+    assert steps_table({"rows": [{"system": "hf"}]}) is None
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 10, 100, 256, 300])
+def test_steps_table_rows_hold_exactly_the_batches_their_labels_name(limit):
+    from relaycli.bench.report import steps_table
+    from relaycli.bench.roofline import steps_by_batch
+    log = [[b, 10 * b, 1.0] for b in range(1, limit + 1)]  # one step of every batch size
+    bins = steps_by_batch(log, limit, SHAPE, 10, Ceilings(1000.0, 1000.0))
+    assert all(1 <= b["batch_from"] <= b["batch_to"] <= limit for b in bins)
+    row = {"system": "relay", "system_tokens": 10, "max_batch": limit, "decode_steps_by_batch": bins}
+    table = steps_table({"rows": [row]})
+    labels, counts = list(table.columns[3]._cells), list(map(int, table.columns[4]._cells))
+    covered = []
+    for label, count in zip(labels, counts):
+        lo, hi = map(int, label.split("-"))
+        assert 1 <= lo <= hi <= limit and count == hi - lo + 1  # one step per batch size in range
+        covered += range(lo, hi + 1)
+    assert covered == list(range(1, limit + 1)) and len(labels) <= 4
+
+
 def test_attention_floor_and_context_sum_by_hand():
     ceil = Ceilings(bandwidth=100.0, matmul_rate=1e6)
     # Hq 4, Hkv 2, D 8, batch 2, system 16, own 3, 2 bytes:
@@ -159,8 +198,14 @@ def test_bench_e2e_tiny_all_systems(tmp_path):
         if r["system"] != "relay":  # fp32 greedy on the same weights: the same ids, all three ways
             assert r["same_tokens_as_relay"] == "4/4", r
     assert report["workload"]["name"] == "fixed-128-256" and report["ceilings"]["bandwidth_bytes_per_s"] > 0
+    for r in rows:  # engine rows: every decode step lands in one batch range
+        if r["system"] != "hf":
+            bins = r["decode_steps_by_batch"]
+            assert sum(b["steps"] for b in bins) == r["decode_steps"] == len(r["decode_step_log"])
+            assert all(b["batch_from"] <= b["mean_batch"] <= b["batch_to"] and b["floor_s"] > 0 for b in bins)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "relay" in res.stdout and "no-relay" in res.stdout  # the table
+    assert "decode steps by batch size" in res.stdout
     # A run saved on one machine is shown and drawn on another.
     again = tmp_path / "again.png"
     res = CliRunner().invoke(app, ["bench", "show", str(out_json), "--plot", str(again)])

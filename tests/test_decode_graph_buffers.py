@@ -11,7 +11,7 @@ import torch
 from models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
-from relaycli.engine.cuda_graph import DecodeGraphs, pack_block_tables
+from relaycli.engine.cuda_graph import BATCH_BUCKETS, DecodeGraphs, pack_block_tables
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
 
@@ -71,7 +71,7 @@ def test_capture_all_covers_every_key_and_its_passes_touch_only_the_scratch_bloc
         n = rng.randint(1, 40)
         seqs = [type("S", (), dict(prefix_slot=0, num_own_tokens=rng.randint(1, 1500)))() for _ in range(n)]
         assert graphs.key(seqs) in keys
-    assert max(k[0] for k in keys) == 64 and max(k[1] for k in keys) == 4096
+    assert max(k[0] for k in keys) == 48 and max(k[1] for k in keys) == 4096  # the buckets just above 40 and 1,500
     # the warm-up pass of a capture, on reset rows, leaves every real block as it was
     for cache in runner.k_caches + runner.v_caches:
         cache.normal_()
@@ -87,3 +87,26 @@ def test_capture_all_covers_every_key_and_its_passes_touch_only_the_scratch_bloc
     for b, c in zip(before, runner.k_caches + runner.v_caches):
         assert torch.equal(b, c[:-1])
     assert not torch.equal(runner.k_caches[0][-1], torch.zeros_like(runner.k_caches[0][-1]))  # scratch was written
+
+
+def test_batch_buckets_pad_little_where_the_matrix_products_are_bound_by_flops():
+    """Every batch runs in the smallest bucket that holds it; from 64 rows on (where
+    padding rows cost as much as real ones) a step pays for at most 31 of them up to 256
+    and 63 above."""
+    from types import SimpleNamespace
+    this = SimpleNamespace(max_context=1 << 20)
+    for n in range(1, 513):
+        bs, _, _ = DecodeGraphs._bucket(this, n, 10, None)
+        assert bs >= n and all(b < n for b in BATCH_BUCKETS if b < bs)
+        assert bs - n <= (bs // 2 if n <= 64 else 31 if n <= 256 else 63)
+
+
+def test_batches_beyond_the_largest_bucket_run_eagerly():
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    engine = Engine(lm, [], EngineConfig(max_num_seqs=600, kv_cache_gb=0.01))
+    graphs = DecodeGraphs(engine.runner, 600, scratch_block=engine.runner.num_blocks)
+    seq = type("S", (), dict(prefix_slot=None, num_own_tokens=5))()
+    assert graphs.max_bs == BATCH_BUCKETS[-1]
+    assert graphs.key([seq] * BATCH_BUCKETS[-1])[0] == BATCH_BUCKETS[-1]
+    assert graphs.key([seq] * (BATCH_BUCKETS[-1] + 1)) is None
+    assert max(k[0] for k in graphs.all_keys(600, 5, [None])) == BATCH_BUCKETS[-1]

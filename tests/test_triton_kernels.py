@@ -156,6 +156,32 @@ def test_prefix_paged_attention(dtype, decode, splits):
     assert rel_err(got, textbook(shape, q, kc, vc, prefixes, meta, scale)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_padding_rows_read_nothing_and_leave_the_other_rows_alone(dtype):
+    """A decode row with context_len 0 is padding (a CUDA graph's rows past the batch):
+    the baseline must not read its prefix (that would make --no-relay pay for padding),
+    its output is 0, and every real row is unchanged in both systems."""
+    rng = random.Random()
+    shape = shapes(rng, decode=True)
+    shape["prefix_of"] = [0] * len(shape["q_lens"])
+    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
+    pad = sorted(rng.sample(range(len(shape["q_lens"])), rng.randint(1, len(shape["q_lens"]))))
+    want_base = prefix_paged_attention(q, kc, vc, meta, prefixes, scale)
+    want_relay = relay_attention(q, kc, vc, meta, prefixes, scale)
+    meta.context_lens[pad] = 0
+    real = [b for b in range(len(shape["q_lens"])) if b not in pad]
+    for splits in (None, 3):
+        got = baseline_with(q, kc, vc, meta, prefixes, scale, num_splits=splits, config=SMALL_CTX)
+        assert torch.equal(got[pad], torch.zeros_like(got[pad]))
+        if real:
+            assert rel_err(got[real], want_base[real]) < TOL[dtype]
+    for mode in ("default", "overlap"):
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=mode == "overlap")
+        assert torch.isfinite(got).all()  # padding keeps its system part; it is dropped anyway
+        if real:
+            assert rel_err(got[real], want_relay[real]) < TOL[dtype]
+
+
 def test_relay_without_prefix_groups_is_context_attention():
     shape = shapes(random.Random(), decode=False)
     q, kc, vc, prefixes, meta, scale = make(shape, torch.float32)

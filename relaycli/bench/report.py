@@ -86,6 +86,34 @@ def sweep_table(report: dict) -> Table | None:
     return t
 
 
+def steps_table(report: dict) -> Table | None:
+    """Engine rows' decode steps in four batch ranges (four of steps_by_batch's ranges
+    each: quarters of the batch limit): how many steps each range took, their mean
+    time, and the floor of those steps. None when no row carries decode_steps_by_batch."""
+    from relaycli.bench.roofline import STEP_BINS, step_bin_width
+    rows = [r for r in report.get("rows", []) if r.get("decode_steps_by_batch")]
+    if not rows:
+        return None
+    t = Table(title="decode steps by batch size (a job's tail runs in the small ranges)", title_justify="left")
+    for col in ("system", "S", "max batch", "batch", "steps", "step mean (ms)", "floor (ms)", "% floor"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        limit = r["max_batch"]
+        width = step_bin_width(limit)
+        per_row = STEP_BINS // 4
+        quarters: dict[int, list[dict]] = {}
+        for b in r["decode_steps_by_batch"]:
+            quarters.setdefault((b["batch_from"] - 1) // width // per_row, []).append(b)
+        for q, bins in sorted(quarters.items()):
+            steps = sum(b["steps"] for b in bins)
+            mean = sum(b["step_mean_s"] * b["steps"] for b in bins) / steps
+            floor = sum(b["floor_s"] * b["steps"] for b in bins) / steps
+            lo, hi = q * per_row * width + 1, min((q + 1) * per_row * width, limit)
+            t.add_row(r["system"], str(r["system_tokens"]), str(limit), f"{lo}-{hi}", str(steps),
+                      f"{1e3 * mean:.2f}", f"{1e3 * floor:.2f}", f"{100 * floor / mean:.1f}")
+    return t
+
+
 def kernels_table(report: dict) -> Table:
     h = report["heads"]
     title = (f"relay bench kernels ({report['impl']}): Hq={h['q_heads']} Hkv={h['kv_heads']} D={h['head_dim']} "
@@ -164,7 +192,12 @@ def plot_throughput(reports: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(reports), figsize=(6.5 * len(reports), 4.5), squeeze=False)
+    with_steps = any(r.get("decode_steps_by_batch") for rep in reports for r in rep.get("rows", []))
+    fig, axes = plt.subplots(2 if with_steps else 1, len(reports), figsize=(6.5 * len(reports), 9 if with_steps else 4.5),
+                             squeeze=False)
+    if with_steps:
+        for ax, rep in zip(axes[1], reports):
+            _plot_steps(ax, rep)
     for ax, rep in zip(axes[0], reports):
         batch_key = "max_batch" if rep["kind"] == "e2e" else "batch"
         rows = [r for r in rep["rows"] if "tokens_per_s" in r]
@@ -196,6 +229,30 @@ def plot_throughput(reports: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_steps(ax, rep: dict) -> None:
+    """Median decode-step time against batch size, a line per engine row; relay's step
+    floor dashed in the same colour."""
+    rows = [r for r in rep.get("rows", []) if r.get("decode_steps_by_batch")]
+    if not rows:
+        ax.set_axis_off()
+        return
+    several = len({r["max_batch"] for r in rows}) > 1
+    for r in rows:
+        bins = r["decode_steps_by_batch"]
+        label = f"{r['system']} S={r['system_tokens']:,}" + (f" B<={r['max_batch']}" if several else "")
+        line, = ax.plot([b["mean_batch"] for b in bins], [1e3 * b["step_p50_s"] for b in bins], marker=".",
+                        label=label)
+        if r["system"] == "relay":
+            ax.plot([b["mean_batch"] for b in bins], [1e3 * b["floor_s"] for b in bins], linestyle="--",
+                    color=line.get_color(), alpha=0.7, label=f"{label} floor")
+    ax.set_xlabel("decode batch (requests in the step)")
+    ax.set_ylabel("decode step, median (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("decode steps by batch size", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def e2e_line(row: dict) -> str:

@@ -135,13 +135,46 @@ def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceiling
                               row["decode_context_sum"] / steps, ceil)
         row.update(mean_decode_batch=row["decode_queries"] / steps, floor_step_s=f.seconds, floor_bound=f.bound,
                    floor_bytes=f.bytes, floor_flops=f.flops, floor_fraction=f.seconds / row["decode_step_s"])
-    large = [(b, c, s) for b, c, s in row.get("decode_step_log") or () if b >= LARGE_BATCH]
+    log = row.get("decode_step_log") or ()
+    if log and row.get("max_batch"):
+        row["decode_steps_by_batch"] = steps_by_batch(log, row["max_batch"], shape, system_tokens, ceil)
+    large = [(b, c, s) for b, c, s in log if b >= LARGE_BATCH]
     if large:
         floors = sum(decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in large)
         seconds = sum(s for _, _, s in large)
         row.update(large_batch_steps=len(large), large_batch_step_s=seconds / len(large),
                    large_batch_floor_fraction=floors / seconds if seconds > 0 else None)
     return row
+
+
+STEP_BINS = 16  # batch ranges of steps_by_batch: the table folds them four to a row
+
+
+def step_bin_width(max_batch: int, num_bins: int = STEP_BINS) -> int:
+    return max(1, -(-max_batch // num_bins))
+
+
+def steps_by_batch(log, max_batch: int, shape: ModelShape, system_tokens: int, ceil: Ceilings,
+                   num_bins: int = STEP_BINS) -> list[dict]:
+    """Decode steps grouped by batch size into num_bins equal ranges of 1..max_batch:
+    per range, its steps' count, median and mean time, mean batch and own context, and
+    the floor of a step of that mean batch and context. A job's tail (its last, long
+    requests decoding in small batches) shows up as many steps in the low ranges."""
+    width = step_bin_width(max_batch, num_bins)
+    groups: dict[int, list] = {}
+    for b, c, sec in log:
+        groups.setdefault((b - 1) // width, []).append((b, c, sec))
+    out = []
+    for k in sorted(groups):
+        steps = groups[k]
+        times = sorted(sec for _, _, sec in steps)
+        batch = sum(b for b, _, _ in steps) / len(steps)
+        context = sum(c for _, c, _ in steps) / len(steps)
+        out.append(dict(batch_from=k * width + 1, batch_to=min((k + 1) * width, max_batch), steps=len(steps),
+                        step_p50_s=times[len(times) // 2], step_mean_s=sum(times) / len(times),
+                        mean_batch=batch, mean_context=context,
+                        floor_s=decode_step_floor(shape, batch, system_tokens, context, ceil).seconds))
+    return out
 
 
 def measure_ceilings(device, dtype, copy_bytes: int | None = None, matmul_n: int | None = None,

@@ -4,7 +4,9 @@ A decode step is many small launches (about 45 a layer), so eagerly the host, no
 GPU, sets its pace. A graph replays all of them with one launch. Graphs are captured
 lazily per (batch bucket, context bucket, prefix slot) on static input buffers:
 - batch bucket: the next size of BATCH_BUCKETS; padded rows write their k/v to a
-  scratch block that no sequence owns and their outputs are dropped;
+  scratch block that no sequence owns, have no own context (the paged kernels read
+  nothing for them, not even their prefix; relay's system kernel still computes them
+  against the prefix it reads once for all rows) and their outputs are dropped;
 - context bucket: 256, 1024, 4096, ... above the longest own context; the kernels read
   each row's true length from context_lens, the bucket only sizes their split plan;
 - prefix slot: every sequence of a graphed step shares one loaded prefix (or none),
@@ -23,12 +25,16 @@ from kernels.metadata import AttentionMetadata, PrefixGroup
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import stage
 
-# Coarse buckets on purpose: each new key costs a warm-up and two captures (about three
-# forward passes), so a job should meet few keys; padding rows cost far less.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Padding rows cost what real rows cost in the matrix products, which are bound by flops
+# from about 64 rows on. Above 64 the buckets are 32 apart up to 256 and 64 apart up to
+# 512, so a step pays for at most 31 (63) padding rows; powers of two made a batch of
+# 129 cost as much as one of 256. Below 64 the weights' bytes set the time and powers of
+# two lose little. Each key costs a warm-up pass and two captures, paid at start-up when
+# the bench (or a caller) captures every key first, else the first time a job meets it.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIN_CONTEXT_BUCKET = 256
 CONTEXT_BUCKET_GROWTH = 4
-MAX_GRAPHS = 48  # past this many keys a step runs eagerly rather than capture again
+MAX_GRAPHS = 64  # past this many keys a step runs eagerly rather than capture again
 
 
 class DecodeGraphs:
@@ -40,17 +46,22 @@ class DecodeGraphs:
         dev = runner.device
         self.block_size = runner.block_size
         self.max_context = runner.mc.max_position_embeddings
-        self.max_bs = next((b for b in BATCH_BUCKETS if b >= max_num_seqs), max_num_seqs)
+        # larger batches than the largest bucket run eagerly (key() returns None)
+        self.max_bs = next((b for b in BATCH_BUCKETS if b >= max_num_seqs), BATCH_BUCKETS[-1])
         max_blocks = -(-self.max_context // self.block_size)
         self.scratch_block = scratch_block
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((self.max_bs,), scratch_block * self.block_size, dtype=torch.int64, device=dev)
-        self.context_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)  # 0: padding
         self.block_tables = torch.full((self.max_bs, max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.host_tables = np.empty((self.max_bs, max_blocks), dtype=np.int32)  # staging for block_tables
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
+        # One logits buffer for every graph: each graph's own output would stay allocated
+        # (about 0.13 GB a key at 256 rows of a 128k vocabulary). Steps run in stream
+        # order, so a step's sampling reads its logits before the next replay writes them.
+        self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
@@ -89,10 +100,11 @@ class DecodeGraphs:
         """Capture every key of all_keys before a job runs (as servers do at start-up), so
         no step of the job waits for a capture or its kernel compiles. Call it with no
         sequence in flight: the buffers are pointed at the scratch block first, so the
-        captures' passes write only there. Returns how many graphs were captured."""
+        captures' passes write only there. MAX_GRAPHS limits only the keys a job
+        captures as it meets them; this captures all. Returns how many were captured."""
         before = len(self.graphs)
         for key in self.all_keys(max_num_seqs, max_context, slots):
-            if key not in self.graphs and len(self.graphs) < MAX_GRAPHS:
+            if key not in self.graphs:
                 self._reset_rows(0, key[0], -(-key[1] // self.block_size))
                 self._capture(key)
         return len(self.graphs) - before
@@ -102,7 +114,7 @@ class DecodeGraphs:
         self.input_ids[lo:hi].zero_()
         self.positions[lo:hi].zero_()
         self.slot_mapping[lo:hi].fill_(self.scratch_block * self.block_size)
-        self.context_lens[lo:hi].fill_(1)
+        self.context_lens[lo:hi].fill_(0)  # padding: the kernels skip the row
         self.block_tables[lo:hi, :width].fill_(self.scratch_block)
 
     def _fill(self, seqs: list[Sequence], bs: int, ctx: int, input_ids: torch.Tensor) -> None:
@@ -145,7 +157,7 @@ class DecodeGraphs:
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.attention.attend_fn(meta), self.layer_ops)
-        return model.compute_logits(hidden)
+        return model.compute_logits(hidden, out=self.logits[:bs])
 
     def run(self, seqs: list[Sequence], key: tuple[int, int, int | None], input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [len(seqs), vocab] fp32 of one decode step, through the graph for key.

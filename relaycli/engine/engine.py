@@ -97,13 +97,16 @@ def frozen_heap() -> Iterator[None]:
     and transformers, and a job triggers one at unpredictable steps. Inside, collections
     walk only what the job itself allocates. Garbage is collected once on entry (it would
     otherwise be kept), and the heap is unfrozen on exit, so engine cycles freed after
-    the job can still be collected."""
+    the job can still be collected. Nested inside another freeze, it leaves the
+    unfreezing to that one (gc.unfreeze has no partial form)."""
+    nested = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not nested:
+            gc.unfreeze()
 
 
 @dataclass

@@ -152,7 +152,7 @@ class ModelRunner:
         """
         decode_ids = None
         num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else len(seqs)
-        num_context = sum(s.num_own_tokens for s in seqs)  # a decode query's own keys; a prefill's longest
+        num_context = sum(s.num_own_tokens for s in seqs)  # decode: the own keys its queries attend to
         if is_prefill:
             assert prev is None or not any(s.seq_id in prev.rows for s in seqs), \
                 "a prefill must not start from a token that is still being computed"
