@@ -21,6 +21,9 @@ bench() {  # one relay bench e2e run of the issue-6 workload; $1: its time limit
   local limit=$1; shift
   timeout "$limit" python3 -c 'from relaycli.cli import entry; entry()' bench e2e --workload sharegpt --requests 1000 \
     --max-batch 256 --dtype bfloat16 --device cuda --seed 0 "$@" 2>&1 | grep -v "it/s" | tail -40
+  local rc=$?  # a part may run several: each failure counts, not only the last
+  [ $rc -ne 0 ] && status=1
+  return $rc
 }
 for part in "${parts[@]}"; do
   case "$part" in
