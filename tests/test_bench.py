@@ -87,6 +87,29 @@ def test_decode_step_floor_by_hand():
     assert h.bound == "bytes" and h.seconds == pytest.approx(3.344)
 
 
+def test_prefill_and_job_floor_by_hand():
+    from relaycli.bench.report import job_table
+    from relaycli.bench.roofline import prefill_floor
+    ceil = Ceilings(bandwidth=1000.0, matmul_rate=1000.0)
+    # inputs of 2 and 3 tokens after a 10-token prefix: 5 tokens through the weights,
+    # each attends to the 10 prefix keys, and 1+2 + 1+2+3 = 9 own (causal) pairs
+    f = prefill_floor(SHAPE, 10, [2, 3], ceil)
+    assert f.flops == 2 * 1232 * 5 + 4 * 2 * 2 * 4 * (5 * 10 + 9) == 16096 and f.bytes == 2544
+    assert f.seconds == pytest.approx(16.096) and f.bound == "flops"
+    # the job: that prefill, then two decode steps of the hand case (batch 3, context 15)
+    relay = {"system": "relay", "system_tokens": 10, "max_batch": 4, "requests": 2, "seconds": 100.0,
+             "generated_tokens": 6, "decode_steps": 2, "decode_queries": 6, "decode_context_sum": 30,
+             "decode_step_s": 20.0, "decode_step_log": [[3, 15, 20.0], [3, 15, 20.0]], "prefill_input_lens": [2, 3]}
+    price_decode(relay, SHAPE, 10, ceil)
+    assert relay["job_floor_s"] == pytest.approx(16.096 + 2 * 10.272)
+    assert relay["job_floor_fraction"] == pytest.approx(relay["job_floor_s"] / 100.0)
+    assert relay["job_floor_requests_per_s"] == pytest.approx(2 / relay["job_floor_s"])
+    base = dict(relay, system="no-relay", seconds=300.0, job_floor_fraction=relay["job_floor_s"] / 300.0)
+    table = job_table({"rows": [relay, base]})
+    most = list(table.columns[8]._cells)
+    assert most == [f"{300.0 / relay['job_floor_s']:.2f}", "-"]  # relay at its floor vs the measured baseline
+
+
 def test_price_decode_uses_the_mean_step():
     # Two decode steps with 6 queries and own contexts summing to 30: the mean step is the
     # hand case above (batch 3, context 15), floor 10.272 s, against 20.544 s measured.
@@ -195,6 +218,7 @@ def test_bench_e2e_tiny_all_systems(tmp_path):
         if r["system"] != "hf":
             assert r["exact_lengths"] and r["errors"] == 0
             assert r["decode_queries"] == 4 * 11
+            assert 0 < r["job_floor_fraction"] < 1 and "prefill_input_lens" not in r
         if r["system"] != "relay":  # fp32 greedy on the same weights: the same ids, all three ways
             assert r["same_tokens_as_relay"] == "4/4", r
     assert report["workload"]["name"] == "fixed-128-256" and report["ceilings"]["bandwidth_bytes_per_s"] > 0
@@ -205,7 +229,7 @@ def test_bench_e2e_tiny_all_systems(tmp_path):
             assert all(b["batch_from"] <= b["mean_batch"] <= b["batch_to"] and b["floor_s"] > 0 for b in bins)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "relay" in res.stdout and "no-relay" in res.stdout  # the table
-    assert "decode steps by batch size" in res.stdout
+    assert "decode steps by batch size" in res.stdout and "whole jobs against their floor" in res.stdout
     # A run saved on one machine is shown and drawn on another.
     again = tmp_path / "again.png"
     res = CliRunner().invoke(app, ["bench", "show", str(out_json), "--plot", str(again)])

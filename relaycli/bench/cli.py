@@ -119,13 +119,13 @@ def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, de
 
 
 def _print_e2e(report: dict) -> None:
-    """The e2e table, the decode steps by batch size, then the sweep across system-prompt
-    lengths (also kept in the JSON)."""
-    from relaycli.bench.report import e2e_table, steps_table, sweep_summary, sweep_table
+    """The e2e table, the decode steps by batch size, the whole jobs against their floor,
+    then the sweep across system-prompt lengths (also kept in the JSON)."""
+    from relaycli.bench.report import e2e_table, job_table, steps_table, sweep_summary, sweep_table
     _out().print(e2e_table(report))
-    steps = steps_table(report)
-    if steps is not None:
-        _out().print(steps)
+    for extra in (steps_table(report), job_table(report)):
+        if extra is not None:
+            _out().print(extra)
     report["sweep"] = sweep_summary(report)
     sweep = sweep_table(report)
     if sweep is not None:

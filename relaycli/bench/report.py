@@ -114,6 +114,28 @@ def steps_table(report: dict) -> Table | None:
     return t
 
 
+def job_table(report: dict) -> Table | None:
+    """Engine runs against their job floor: prefill at the matmul rate plus every decode
+    step at its floor. For relay, the most it could gain over the measured --no-relay
+    run of the same S and batch limit (that run's time over relay's floor)."""
+    rows = [r for r in report.get("rows", []) if r.get("job_floor_s")]
+    if not rows:
+        return None
+    base = {(r["system_tokens"], r["max_batch"]): r for r in rows if r["system"] == "no-relay"}
+    t = Table(title="whole jobs against their floor (prefill and every decode step at its floor)",
+              title_justify="left")
+    for col in ("system", "S", "max batch", "seconds", "floor (s)", "% floor", "req/s at floor",
+                "x no-relay", "x no-relay at floor"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        ref = base.get((r["system_tokens"], r["max_batch"])) if r["system"] == "relay" else None
+        t.add_row(r["system"], str(r["system_tokens"]), str(r["max_batch"]), f"{r['seconds']:.2f}",
+                  f"{r['job_floor_s']:.2f}", f"{100 * r['job_floor_fraction']:.1f}",
+                  f"{r['job_floor_requests_per_s']:.2f}", _fmt(r.get("speedup_vs_no_relay"), ".2f"),
+                  f"{ref['seconds'] / r['job_floor_s']:.2f}" if ref else "-")
+    return t
+
+
 def kernels_table(report: dict) -> Table:
     h = report["heads"]
     title = (f"relay bench kernels ({report['impl']}): Hq={h['q_heads']} Hkv={h['kv_heads']} D={h['head_dim']} "

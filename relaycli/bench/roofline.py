@@ -118,6 +118,16 @@ def decode_context_sum(input_len: int, output_len: int) -> int:
     return steps * input_len + steps * (steps + 1) // 2
 
 
+def prefill_floor(shape: ModelShape, system_tokens: int, input_lens, ceil: Ceilings) -> Floor:
+    """Floor of prefilling requests' own inputs after an S-token shared prefix: every
+    input token goes through the weights' products and attends to the prefix and to its
+    own earlier tokens. Bytes: the weights once (prefill is bound by flops)."""
+    own = sum(input_lens)
+    causal = sum(n * (n + 1) // 2 for n in input_lens)
+    attn = 4 * shape.layers * shape.q_heads * shape.head_dim * (own * system_tokens + causal)
+    return floor_of(shape.weight_bytes, 2 * shape.matmul_params * own + attn, ceil)
+
+
 LARGE_BATCH = 64  # issue 6 holds decode steps of this batch and more to their floor
 
 
@@ -138,6 +148,13 @@ def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceiling
     log = row.get("decode_step_log") or ()
     if log and row.get("max_batch"):
         row["decode_steps_by_batch"] = steps_by_batch(log, row["max_batch"], shape, system_tokens, ceil)
+    if log and row.get("prefill_input_lens") is not None:
+        # The job's floor: its prefill and every decode step at their floors. The
+        # engine's own work, so no schedule or overlap can beat it (ceilings permitting).
+        decode = sum(decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in log)
+        job = prefill_floor(shape, system_tokens, row["prefill_input_lens"], ceil).seconds + decode
+        row.update(job_floor_s=job, job_floor_requests_per_s=row["requests"] / job,
+                   job_floor_fraction=job / row["seconds"])
     large = [(b, c, s) for b, c, s in log if b >= LARGE_BATCH]
     if large:
         floors = sum(decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in large)
