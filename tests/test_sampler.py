@@ -38,6 +38,15 @@ def test_filter_matches_per_row_reference():
         assert all(abs(got[i] - want[i]) < 1e-5 for i in want)
 
 
+def test_top_p_one_keeps_every_token_even_when_the_running_sum_rounds_to_one():
+    # One token holds nearly all the mass: in fp32 the running sum reaches 1.0 after it,
+    # and a ">= top_p" test would drop the 49 others although top_p = 1 filters nothing.
+    logits = torch.cat([torch.tensor([[30.0]]), torch.randn(1, 49)], dim=1)
+    log_p = filter_logits(logits, torch.tensor([1.0]), torch.tensor([50]), torch.tensor([1.0]))
+    assert torch.isfinite(log_p).all()
+    torch.testing.assert_close(log_p, torch.log_softmax(logits, dim=-1))
+
+
 def test_draws_follow_the_filtered_distribution():
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2])
     opt = SamplingOptions(max_tokens=1, temperature=0.8, top_k=5, top_p=0.9, seed=random.randrange(10**6))

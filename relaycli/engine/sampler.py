@@ -27,7 +27,8 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     drop = ranks[None, :] >= top_k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-    drop |= (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+    # top_p = 1 keeps every token: an fp32 running sum can reach 1 before the last few.
+    drop |= ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     kept = sorted_logits.masked_fill(drop, float("-inf"))
     log_probs_sorted = torch.log_softmax(kept, dim=-1)
     return torch.empty_like(log_probs_sorted).scatter_(-1, order, log_probs_sorted)
