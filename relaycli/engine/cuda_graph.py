@@ -62,7 +62,7 @@ class DecodeGraphs:
         # (about 0.13 GB a key at 256 rows of a 128k vocabulary). Steps run in stream
         # order, so a step's sampling reads its logits before the next replay writes them.
         self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[tuple[int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int | None], torch.cuda.CUDAGraph] = {}  # each writes self.logits
         self.pool = None
         self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
         self.num_replays = 0
@@ -164,12 +164,12 @@ class DecodeGraphs:
         input_ids [len(seqs)] int64 on the device."""
         bs, ctx, slot = key
         self._fill(seqs, bs, ctx, input_ids)
-        graph, logits = self.graphs.get(key) or self._capture(key)
+        graph = self.graphs.get(key) or self._capture(key)
         graph.replay()
         self.num_replays += 1
-        return logits[:len(seqs)]
+        return self.logits[:len(seqs)]
 
-    def _capture(self, key: tuple[int, int, int | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: tuple[int, int, int | None]) -> torch.cuda.CUDAGraph:
         """Capture the step for key on the buffers as they are (filled, or reset)."""
         started = time.perf_counter()
         bs, ctx, slot = key
@@ -180,14 +180,14 @@ class DecodeGraphs:
         for attempt in range(2):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(bs, meta)
+                self._forward(bs, meta)
             self.pool = graph.pool()
             if attempt == 0:
                 self._warmup_graphs.append(graph)
-        entry = self.graphs[key] = (graph, logits)
+        self.graphs[key] = graph
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - started
-        return entry
+        return graph
 
 
 def pack_block_tables(tables: list[list[int]], width: int, fill: int, out: np.ndarray) -> np.ndarray:
