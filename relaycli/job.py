@@ -6,8 +6,6 @@ before any row is computed. Progress goes to an optional callback; nothing print
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, EngineStats, frozen_heap
+from relaycli.io.parts import write_json
 from relaycli.io.reader import open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
 from relaycli.io.writer import ResultWriter
@@ -111,12 +110,5 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
     finally:
         writer.close()
     if opts.stats_json is not None:
-        write_json_atomic(opts.stats_json, summary.as_dict())
+        write_json(opts.stats_json, summary.as_dict())
     return summary
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)

@@ -93,7 +93,8 @@ def _check_outputs(json_path: Optional[Path], plot_path: Optional[Path]) -> None
 
 
 def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Path], quiet: bool) -> None:
-    from relaycli.bench.report import plot_throughput, write_json
+    from relaycli.bench.report import plot_throughput
+    from relaycli.io.parts import write_json
     if json_path is not None:
         write_json(json_path, reports[0] if len(reports) == 1 else {"kind": "bench", "reports": reports})
         if not quiet:

@@ -5,7 +5,6 @@ Builds objects and writes files; printing them is the CLI's business.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -197,14 +196,6 @@ def merge_reports(reports: list[dict]) -> list[dict]:
             by_key[key] = dict(rep)
             out.append(by_key[key])
     return out
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """Atomically: a temporary file next to it, then a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def plot_throughput(reports: list[dict], path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -53,6 +54,12 @@ def write_atomically(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_json(path: Path, data) -> None:
+    """data as indented JSON (values JSON has no type for as str), written atomically."""
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    write_atomically(Path(path), lambda f: f.write(text.encode("utf-8")))
 
 
 def rows_table(rows: list[dict]) -> pa.Table:
