@@ -148,19 +148,18 @@ def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceiling
     log = row.get("decode_step_log") or ()
     if log and row.get("max_batch"):
         row["decode_steps_by_batch"] = steps_by_batch(log, row["max_batch"], shape, system_tokens, ceil)
+    floors = [decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in log]  # one a step
     if log and row.get("prefill_input_lens") is not None:
         # The job's floor: its prefill and every decode step at their floors. The
         # engine's own work, so no schedule or overlap can beat it (ceilings permitting).
-        decode = sum(decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in log)
-        job = prefill_floor(shape, system_tokens, row["prefill_input_lens"], ceil).seconds + decode
+        job = prefill_floor(shape, system_tokens, row["prefill_input_lens"], ceil).seconds + sum(floors)
         row.update(job_floor_s=job, job_floor_requests_per_s=row["requests"] / job,
                    job_floor_fraction=job / row["seconds"])
-    large = [(b, c, s) for b, c, s in log if b >= LARGE_BATCH]
+    large = [(floor, s) for (b, _, s), floor in zip(log, floors) if b >= LARGE_BATCH]
     if large:
-        floors = sum(decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in large)
-        seconds = sum(s for _, _, s in large)
+        seconds = sum(s for _, s in large)
         row.update(large_batch_steps=len(large), large_batch_step_s=seconds / len(large),
-                   large_batch_floor_fraction=floors / seconds if seconds > 0 else None)
+                   large_batch_floor_fraction=sum(f for f, _ in large) / seconds if seconds > 0 else None)
     return row
 
 
