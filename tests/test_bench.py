@@ -99,8 +99,8 @@ def test_prefill_and_job_floor_by_hand():
     # the job: that prefill, then two decode steps of the hand case (batch 3, context 15)
     relay = {"system": "relay", "system_tokens": 10, "max_batch": 4, "requests": 2, "seconds": 100.0,
              "generated_tokens": 6, "decode_steps": 2, "decode_queries": 6, "decode_context_sum": 30,
-             "decode_step_s": 20.0, "decode_step_log": [[3, 15, 20.0], [3, 15, 20.0]], "prefill_input_lens": [2, 3]}
-    price_decode(relay, SHAPE, 10, ceil)
+             "decode_step_s": 20.0, "decode_step_log": [[3, 15, 20.0], [3, 15, 20.0]]}
+    price_decode(relay, SHAPE, 10, ceil, input_lens=[2, 3])
     assert relay["job_floor_s"] == pytest.approx(16.096 + 2 * 10.272)
     assert relay["job_floor_fraction"] == pytest.approx(relay["job_floor_s"] / 100.0)
     assert relay["job_floor_requests_per_s"] == pytest.approx(2 / relay["job_floor_s"])

@@ -109,7 +109,6 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "decode_step_s": st.decode_seconds / st.decode_steps if st.decode_steps else None,
            "decode_queries": sum(r.output_len - 1 for r in shapes),
            "decode_context_sum": sum(decode_context_sum(r.input_len, r.output_len) for r in shapes),
-           "prefill_input_lens": [r.input_len for r in shapes],  # priced, then dropped (price_decode)
            "attention_impl": engine.runner.attention_impl,
            "cuda_graph_replays": graphs.num_replays if graphs else 0,
            # paid inside the timed run: what a longer warm-up (or a longer job) would not pay
@@ -223,8 +222,7 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
                 row = {**base, **row}
                 ids_by_system[system] = row.pop("_ids", None)
                 if "seconds" in row:
-                    price_decode(row, shape, s, ceil)
-                row.pop("prefill_input_lens", None)  # the workload's, kept in its summary
+                    price_decode(row, shape, s, ceil, input_lens=[r.input_len for r in shapes])
                 rows.append(row)
                 say(e2e_line(row))
             compare_tokens(rows[-len(opts.systems):], ids_by_system)

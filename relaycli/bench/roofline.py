@@ -131,12 +131,14 @@ def prefill_floor(shape: ModelShape, system_tokens: int, input_lens, ceil: Ceili
 LARGE_BATCH = 64  # issue 6 holds decode steps of this batch and more to their floor
 
 
-def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings) -> dict:
+def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings,
+                 input_lens: list[int] | None = None) -> dict:
     """Add rates and the floor of the mean decode step to a run's row: decode_queries /
     decode_steps is the mean batch, decode_context_sum / decode_steps its context sum.
     Where the row logs every decode step ([batch, own context sum, seconds], the
     engine's), the steps of LARGE_BATCH requests or more are also priced one by one:
-    large_batch_floor_fraction is their floors' sum over their times' sum."""
+    large_batch_floor_fraction is their floors' sum over their times' sum. With the
+    requests' input lengths too, the whole job is priced (job_floor_*)."""
     row["requests_per_s"] = row["requests"] / row["seconds"]
     row["tokens_per_s"] = row["generated_tokens"] / row["seconds"]
     if row.get("decode_steps") and row.get("decode_queries"):
@@ -149,10 +151,10 @@ def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceiling
     if log and row.get("max_batch"):
         row["decode_steps_by_batch"] = steps_by_batch(log, row["max_batch"], shape, system_tokens, ceil)
     floors = [decode_step_floor(shape, b, system_tokens, c, ceil).seconds for b, c, _ in log]  # one a step
-    if log and row.get("prefill_input_lens") is not None:
+    if log and input_lens is not None:
         # The job's floor: its prefill and every decode step at their floors. The
         # engine's own work, so no schedule or overlap can beat it (ceilings permitting).
-        job = prefill_floor(shape, system_tokens, row["prefill_input_lens"], ceil).seconds + sum(floors)
+        job = prefill_floor(shape, system_tokens, input_lens, ceil).seconds + sum(floors)
         row.update(job_floor_s=job, job_floor_requests_per_s=row["requests"] / job,
                    job_floor_fraction=job / row["seconds"])
     large = [(floor, s) for (b, _, s), floor in zip(log, floors) if b >= LARGE_BATCH]
