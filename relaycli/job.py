@@ -19,7 +19,7 @@ from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.parts import write_json
 from relaycli.io.reader import open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
-from relaycli.io.writer import ResultWriter
+from relaycli.io.writer import ResultWriter, check_writable
 
 
 @dataclass
@@ -75,6 +75,8 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
             on_result: Callable[[EngineStats], None] | None = None,
             loaded: LoadedModel | None = None) -> JobSummary:
     """on_start(total_rows, already_done); on_result(stats) after each answered row."""
+    if opts.stats_json is not None:
+        check_writable(Path(opts.stats_json), "--stats-json")
     source = open_requests(opts.input_path, opts.input_format)
     writer = ResultWriter(opts.output_path, opts.output_format, resume=opts.resume,
                           openai_output=_is_openai_input(source), flush_rows=opts.flush_rows,

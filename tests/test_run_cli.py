@@ -106,6 +106,12 @@ def test_refusals_before_any_work(job, tmp_path):
     (tmp_path / "exists.parquet").write_bytes(b"x")
     res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "exists.parquet", check=False)
     assert res.returncode == 2 and "--resume" in res.stderr
+    # --stats-json is written at the end of a job: its folder is checked before the job starts
+    res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "s.parquet",
+                "--stats-json", tmp_path / "no" / "s.json", check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "the --stats-json folder" in res.stderr and "does not exist" in res.stderr
+    assert not (tmp_path / "s.parquet").exists()
 
 
 def test_resume_after_kill_9_loses_and_doubles_nothing(job, tmp_path):

@@ -35,6 +35,22 @@ class OutputError(Exception):
     """The output cannot be written or finished; the message is one sentence for the user."""
 
 
+def check_writable(path: Path, what: str = "output") -> None:
+    """Fail before any work (model loading, compute) if a file could never be saved at
+    path: its folder must exist and take a new file, and path must not be a folder."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise OutputError(f"the {what} folder {parent} does not exist; create it first")
+    if path.is_dir():
+        raise OutputError(f"the {what} path {path} is a folder; give a file name")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=TMP + "probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"cannot write to the {what} folder {parent} ({e.strerror})") from None
+
+
 def output_format(path: str | Path, fmt: str | None = None) -> str:
     if fmt is not None:
         if fmt.lower() not in ("parquet", "jsonl"):
@@ -111,18 +127,7 @@ class ResultWriter:
             raise
 
     def _check_writable(self) -> None:
-        # Fail before any work (model loading, compute) if the results could never be saved.
-        parent = self.out_path.parent
-        if not parent.is_dir():
-            raise OutputError(f"the output folder {parent} does not exist; create it first")
-        if self.out_path.is_dir():
-            raise OutputError(f"the output path {self.out_path} is a folder; give a file name")
-        try:
-            fd, probe = tempfile.mkstemp(prefix=TMP + "probe-", dir=parent)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            raise OutputError(f"cannot write to the output folder {parent} ({e.strerror})") from None
+        check_writable(self.out_path)
 
     def _recover(self) -> None:
         for leftover in self.out_path.parent.glob(f"{TMP}{self.out_path.name}"):
