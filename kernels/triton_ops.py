@@ -32,13 +32,16 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float, *,
                          sys_splits: int | None = None, ctx_splits: int | None = None,
                          sys_config: dict | None = None, ctx_config: dict | None = None,
-                         overlap: bool | None = None) -> torch.Tensor:
+                         overlap: bool | None = None, system_side: bool = False) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
-    overlap: run the (memory-bound) context kernel on a side stream next to the
-    (matrix-bound) system kernel; it then writes a partial and the merge kernel finishes,
-    instead of the fused epilogue. None: only for decode steps captured in a CUDA graph,
-    where the extra stream costs no host time (eager, that time exceeds the gain).
+    overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
+    on two streams at once; the context then writes a partial and the merge kernel
+    finishes, instead of the fused epilogue. None: only for decode steps captured in a
+    CUDA graph, where the extra stream costs no host time (eager, that time exceeds the
+    gain). By default the context kernel goes first, on the side stream. system_side:
+    the system kernel goes first instead, on a high-priority side stream, so the block
+    scheduler places its programs ahead of the context kernel's many small ones.
     """
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
@@ -85,11 +88,12 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return out[0]
     if overlap and q.is_cuda:
         main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
+        side = _side_stream(q.device, high_priority=system_side)
         side.wait_stream(main)
+        first, second = (system_step, context_step) if system_side else (context_step, system_step)
         with torch.cuda.stream(side):
-            context_step()
-        system_step()
+            first()
+        second()
         main.wait_stream(side)  # before the merge, and before any buffer here can be freed
     else:
         system_step()
@@ -100,11 +104,15 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device):
-    """One reusable side stream per device (creating streams per call leaks them in graphs)."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+def _side_stream(device: torch.device, high_priority: bool = False):
+    """One reusable side stream per device and priority (creating streams per call leaks them in graphs).
+
+    CUDA clamps a priority past its range to the highest one; lower numbers run first.
+    """
+    index = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    key = (index, high_priority)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=-100 if high_priority else 0)
     return _SIDE_STREAMS[key]
 
 

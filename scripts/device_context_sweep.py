@@ -7,8 +7,13 @@ candidates on the shapes `relay bench e2e` meets (ShareGPT-like own contexts of 
 tokens, a 2,048-token shared prefix), checks each against kernels/reference.py, and prints
 GB/s and % of copy bandwidth. --graph-path times the whole relay decode attention the
 way a CUDA-graphed step runs it (context on a side stream into partials, one merge) for
-tile configs x context split counts, against the attention floor.
-Usage: python scripts/device_context_sweep.py [--graph-path] [--models llama3-8b] [--batches 256,64]
+tile configs x context split counts, against the attention floor. --overlap times how
+the system and context kernels share the chip in such a graph: fused (one after the
+other, the merge in the context epilogue), context first on a side stream, or system
+first on a high-priority side stream, with system split counts and pipeline depths
+that leave room on each SM for context programs; each kernel alone gives the serial sum.
+Usage: python scripts/device_context_sweep.py [--graph-path | --overlap] [--models llama3-8b]
+       [--batches 256,64] [--system 2048,8192]
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ def main() -> None:
     ap.add_argument("--graph-path", action="store_true")
     ap.add_argument("--models", default="llama2-7b,llama3-8b")
     ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--system", default="2048", help="shared prefix lengths (--overlap)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -55,6 +62,14 @@ def main() -> None:
     results = []
     gen = torch.Generator(device=dev)
     gen.seed()
+    if args.overlap:
+        for name in args.models.split(","):
+            for system in map(int, args.system.split(",")):
+                for batch in map(int, args.batches.split(",")):
+                    results += overlap_variants(name, batch, system, gen, ceil)
+        (out_dir / "overlap_sweep.json").write_text(json.dumps(dict(ceilings=ceil, rows=results), indent=1,
+                                                               default=str))
+        return
     for name in args.models.split(","):
         hq, hkv, d = HEADS[name]
         for batch in map(int, args.batches.split(",")):
@@ -132,6 +147,63 @@ def graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil) 
             rows.append(row)
             print(f"{row['case']:22s} {t:8.1f} us floor {floor_us:6.1f} us {row['pct_floor']:5.1f}% err {err:.1e} "
                   f"splits={splits} {cfg or 'DEFAULT'}", flush=True)
+    return rows
+
+
+def overlap_variants(name, batch, system, gen, ceil) -> list[dict]:
+    """The whole relay decode attention under each way of sharing the chip, and each kernel alone."""
+    dev = torch.device("cuda")
+    hq, hkv, d = HEADS[name]
+    q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, system, 800, dev, torch.bfloat16, gen)
+    lens = torch.randint(16, 801, (batch,), generator=gen, device=dev, dtype=torch.int32)
+    meta.context_lens.copy_(lens)
+    scale = d ** -0.5
+    want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float()) for k, v in pre],
+                               scale)
+    own_bytes = int(lens.sum()) * hkv * d * 2 * 2
+    sys_bytes = pre[0][0].numel() * 2 * 2
+    sys_flops = 4 * batch * hq * system * d
+    floor_us = max((own_bytes + sys_bytes + 2 * q.numel() * 2) / ceil["copy_bytes_per_s"],
+                   sys_flops / ceil["bf16_flops_per_s"]) * 1e6
+    s_cfg = system_config(batch * hq // hkv, d, dev, 2)
+    two_stages = dict(s_cfg, num_stages=2)
+    variants = [("fused", dict(overlap=False)), ("context first", dict(overlap=True)),
+                ("system first, priority", dict(overlap=True, system_side=True)),
+                ("system first, 1 split", dict(overlap=True, system_side=True, sys_splits=1)),
+                ("system first, 2 stages", dict(overlap=True, system_side=True, sys_config=two_stages)),
+                ("system first, 1 split, 2 stages", dict(overlap=True, system_side=True, sys_splits=1,
+                                                         sys_config=two_stages)),
+                ("context first, 1 split, 2 stages", dict(overlap=True, sys_splits=1, sys_config=two_stages))]
+    rows = []
+    case = f"{name} B={batch} S={system}"
+    # each kernel alone, as relay launches it: their sum is what running them in turn costs
+    programs = -(-batch * hq // hkv // s_cfg["BLOCK_M"]) * hkv
+    splits, _ = split_plan(system, programs, dev, s_cfg["BLOCK_N"], None, per_sm=s_cfg.get("per_sm", 1))
+    o_p = torch.empty(splits + 1, batch, hq, d, device=dev, dtype=torch.float32)
+    l_p = torch.empty(splits + 1, batch, hq, device=dev, dtype=torch.float32)
+    alone = {"system kernel": lambda: system_attention_into(q, pre[0][0], pre[0][1], scale, o_p[:splits], l_p[:splits],
+                                                            rows=meta.prefix_groups[0].query_indices,
+                                                            num_splits=splits),
+             "context kernel": lambda: paged_attention(q, kc, vc, meta, scale, out=o_p, lse=l_p, split_base=splits)}
+    for label, fn in alone.items():
+        t = bench_us(fn)
+        rows.append(dict(case=case, variant=label, time_us=t, floor_us=floor_us))
+        print(f"{case:26s} {label:34s} {t:8.1f} us", flush=True)
+    for label, kw in variants:
+        out = {}
+
+        def fn():
+            out["o"] = relay_attention_with(q, kc, vc, meta, pre, scale, **kw)
+        try:
+            t = bench_us(fn)
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+            print(f"{case} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
+            continue
+        err = ((out["o"].double() - want.double()).norm() / want.double().norm()).item()
+        rows.append(dict(case=case, variant=label, time_us=t, floor_us=floor_us, pct_floor=100 * floor_us / t,
+                         rel_err=err))
+        print(f"{case:26s} {label:34s} {t:8.1f} us floor {floor_us:6.1f} us {100 * floor_us / t:5.1f}% "
+              f"err {err:.1e}", flush=True)
     return rows
 
 

@@ -119,7 +119,7 @@ def test_context_attention_and_fused_merge(dtype, decode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("decode", [True, False])
-@pytest.mark.parametrize("mode", ["default", "split", "fused-6", "overlap"])
+@pytest.mark.parametrize("mode", ["default", "split", "fused-6", "overlap", "overlap-system-side"])
 def test_relay_attention(dtype, decode, mode):
     rng = random.Random()
     shape = shapes(rng, decode)
@@ -133,6 +133,8 @@ def test_relay_attention(dtype, decode, mode):
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=3, ctx_splits=2, ctx_config=SMALL_CTX)
     elif mode == "overlap":  # context as one more partial (side stream on CUDA), then the merge kernel
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True)
+    elif mode == "overlap-system-side":  # on CUDA the system kernel goes first, on a high-priority stream
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True)
     else:
         got = relay_attention(q, kc, vc, meta, prefixes, scale)
     assert got.shape == q.shape and got.dtype == dtype
@@ -229,6 +231,8 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
     want_relay = ref.relay_attention(qf, kf, vf, meta, pf, scale)
     for got, want_ref in ((relay_attention(q, kc, vc, meta, prefixes, scale), want_relay),
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True), want_relay),
+                          (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True),
+                           want_relay),
                           (prefix_paged_attention(q, kc, vc, meta, prefixes, scale),
                            ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale))):
         assert rel_err(got, want_ref) < TOL[dtype]
