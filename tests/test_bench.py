@@ -201,7 +201,7 @@ def test_roofline_validation():
 def test_bench_e2e_tiny_all_systems(tmp_path):
     out_json, out_png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     res = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--workload", "fixed-128-256",
-                                   "--requests", "4", "--system-tokens", "0,64", "--max-batch", "4",
+                                   "--requests", "4", "--system-tokens", "0,64", "--max-batch", "8",
                                    "--systems", "relay,no-relay,hf", "--max-output-len", "12", "--device", "cpu",
                                    "--json", str(out_json), "--plot", str(out_png), "--quiet"])
     assert res.exit_code == 0, res.output
@@ -219,6 +219,8 @@ def test_bench_e2e_tiny_all_systems(tmp_path):
             assert r["exact_lengths"] and r["errors"] == 0
             assert r["decode_queries"] == 4 * 11
             assert 0 < r["job_floor_fraction"] < 1 and "prefill_input_lens" not in r
+        if r["system"] == "hf":  # one batch of the 4 requests, not the limit of 8
+            assert r["hf_batch"] == 4 and r["max_batch"] == 8, r
         if r["system"] != "relay":  # fp32 greedy on the same weights: the same ids, all three ways
             assert r["same_tokens_as_relay"] == "4/4", r
     assert report["workload"]["name"] == "fixed-128-256" and report["ceilings"]["bandwidth_bytes_per_s"] > 0

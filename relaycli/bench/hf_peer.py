@@ -147,7 +147,8 @@ def hf_row(lm: LoadedModel, prefix_ids: list[int], shapes: list[RequestShape], o
     hf = hf_twin(lm)
     if hf is None:
         return {"skipped": f"transformers twin not available for {lm.config.architecture} with biases/norms"}
-    batch = hf_batch_limit(lm, max_batch, s + max(r.input_len + r.output_len for r in shapes))
+    # no wider than the requests it has: the table names the batch that generate ran
+    batch = min(len(shapes), hf_batch_limit(lm, max_batch, s + max(r.input_len + r.output_len for r in shapes)))
     try:
         while True:
             try:
