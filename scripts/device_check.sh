@@ -4,7 +4,7 @@
 # Each part runs under its own time limit (5, 4, 2 and 7 minutes); logs and JSON go to
 # $OUT (./out when unset). Not yet run as a whole: its parts were run one by one.
 # The issue-6 tables (relay bench e2e, 1,000 ShareGPT-like requests, batch limit 256)
-# are three more parts of up to 9 minutes each, one device call apiece: l2-2048 (llama2
+# are three more parts (3-4 minutes each on an H200), one device call apiece: l2-2048 (llama2
 # S = 2,048 relay and --no-relay, then relay at 512 and 16,384), l2-8192 (S = 8,192 relay
 # and --no-relay) and l3 (llama3 S = 2,048 relay, --no-relay and transformers on 32 requests).
 # Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3 ...]

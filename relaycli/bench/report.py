@@ -198,6 +198,9 @@ def merge_reports(reports: list[dict]) -> list[dict]:
     return out
 
 
+SYSTEM_COLORS = {"relay": "tab:blue", "no-relay": "tab:orange", "hf": "tab:green", "sdpa": "tab:red"}
+
+
 def plot_throughput(reports: list[dict], path: Path) -> None:
     """Generated tokens/s against system-prompt length, one line per system (and batch
     limit when several); e2e and kernel reports side by side when both are given."""
@@ -221,7 +224,9 @@ def plot_throughput(reports: list[dict], path: Path) -> None:
             series.setdefault(label, []).append((r["system_tokens"], r["tokens_per_s"]))
         for label, pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            # one colour per system in every panel (a panel without hf would shift the cycle)
+            color = None if several else SYSTEM_COLORS.get(label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=color)
         ax.set_xscale("symlog", linthresh=256)
         lengths = sorted({r["system_tokens"] for r in rows})
         ax.set_xticks(lengths, [f"{n:,}" for n in lengths])  # symlog puts no labels between decades
