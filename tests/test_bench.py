@@ -156,6 +156,25 @@ def test_steps_by_batch_groups_steps_into_equal_batch_ranges_by_hand():
     assert steps_table({"rows": [{"system": "hf"}]}) is None
 
 
+def test_bench_and_run_stats_give_the_same_ttft_quantiles():
+    """relay bench's rows and relay run's stats (EngineStats) report the same median and p90."""
+    import random
+
+    from relaycli.bench.report import ttft_stats
+    from relaycli.engine.engine import EngineStats
+    rng = random.Random()
+    values = [rng.random() for _ in range(rng.randint(1, 50))]
+    stats = EngineStats()
+    stats.ttft_seconds = list(values)
+    run = stats.as_dict()
+    bench = ttft_stats(values)
+    assert bench["ttft_p50_s"] == run["ttft_p50_seconds"] and bench["ttft_p90_s"] == run["ttft_p90_seconds"]
+    ordered = sorted(values)
+    assert bench["ttft_p50_s"] == ordered[len(values) // 2]
+    assert bench["ttft_p90_s"] == ordered[min(len(values) - 1, int(0.9 * len(values)))]
+    assert ttft_stats([]) == {"ttft_mean_s": None, "ttft_p50_s": None, "ttft_p90_s": None}
+
+
 @pytest.mark.parametrize("limit", [1, 2, 3, 10, 100, 256, 300])
 def test_steps_table_rows_hold_exactly_the_batches_their_labels_name(limit):
     from relaycli.bench.report import steps_table

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from relaycli.engine.engine import quantile
+
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -153,10 +155,8 @@ def kernels_table(report: dict) -> Table:
 def ttft_stats(values: list[float]) -> dict:
     """Mean, median and 90th percentile of times to first token (seconds)."""
     s = sorted(values)
-    if not s:
-        return {"ttft_mean_s": None, "ttft_p50_s": None, "ttft_p90_s": None}
-    return {"ttft_mean_s": sum(s) / len(s), "ttft_p50_s": s[len(s) // 2],
-            "ttft_p90_s": s[min(len(s) - 1, int(0.9 * len(s)))]}
+    return {"ttft_mean_s": sum(s) / len(s) if s else None, "ttft_p50_s": quantile(s, 0.5),
+            "ttft_p90_s": quantile(s, 0.9)}
 
 
 def compare_tokens(rows: list[dict], ids_by_system: dict) -> None:

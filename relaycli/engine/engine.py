@@ -60,7 +60,7 @@ class EngineStats:
         return sum(tokens for _, tokens, _ in self.prefill_step_log)
 
     def decode_step_p50(self) -> float | None:
-        return _quantile(sorted(seconds for _, _, seconds in self.decode_step_log), 0.5)
+        return quantile(sorted(seconds for _, _, seconds in self.decode_step_log), 0.5)
 
     def generated_tokens_per_second(self) -> float:
         """Cheap enough to call after every row (as_dict sorts every TTFT)."""
@@ -73,8 +73,8 @@ class EngineStats:
         d["prefill_tokens"] = self.prefill_tokens
         ttft = sorted(self.ttft_seconds)
         d["ttft_mean_seconds"] = sum(ttft) / len(ttft) if ttft else None
-        d["ttft_p50_seconds"] = _quantile(ttft, 0.5)
-        d["ttft_p90_seconds"] = _quantile(ttft, 0.9)
+        d["ttft_p50_seconds"] = quantile(ttft, 0.5)
+        d["ttft_p90_seconds"] = quantile(ttft, 0.9)
         d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
         d["decode_step_p50_seconds"] = self.decode_step_p50()
         elapsed = time.perf_counter() - self.started
@@ -84,8 +84,10 @@ class EngineStats:
         return d
 
 
-def _quantile(ordered: list[float], q: float) -> float | None:
-    """The q-quantile of sorted values (the element at index q * n), None when empty."""
+def quantile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (the element at index q * n), None when empty.
+
+    relay run's stats and relay bench's rows both use it, so their medians agree."""
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
