@@ -88,16 +88,32 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
 def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
     columns = (TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
-        task = bar.add_task("rows", total=None, tps="")
+    # The bar appears only once every check has passed (on_start): a job refused at the
+    # start prints its one error line and no empty bar. Until then a transient spinner.
+    bar = Progress(*columns, console=console, disable=quiet, transient=False)
+    task = bar.add_task("rows", total=None, tps="")
+    status = None if quiet else console.status("checking the inputs and loading the model")
+    started: list[bool] = []  # on_start ran: the bar is live and must be stopped
 
-        def on_start(total: int, done: int) -> None:
-            bar.update(task, total=total, completed=done)
+    def on_start(total: int, done: int) -> None:
+        if status is not None:
+            status.stop()
+        bar.update(task, total=total, completed=done)
+        bar.start()
+        started.append(True)
 
-        def on_result(stats) -> None:
-            bar.update(task, advance=1, tps=f"{stats.generated_tokens_per_second():.1f} tok/s")
+    def on_result(stats) -> None:
+        bar.update(task, advance=1, tps=f"{stats.generated_tokens_per_second():.1f} tok/s")
 
+    if status is not None:
+        status.start()
+    try:
         summary = run_job(opts, on_start, on_result)
+    finally:
+        if status is not None:
+            status.stop()
+        if started:
+            bar.stop()
     if not quiet:
         print_summary(summary)
     return summary

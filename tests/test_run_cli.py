@@ -96,10 +96,12 @@ def test_openai_batch_in_and_out(job, tmp_path):
 def test_refusals_before_any_work(job, tmp_path):
     missing = relay("run", "--in", tmp_path / "nope.jsonl", "--out", tmp_path / "o.parquet", check=False)
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr  # the error line, no empty progress bar
     bad_art = tmp_path / "bad.relaykv"
     bad_art.write_bytes((job / "sys.relaykv").read_bytes()[:1000])
     res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "o.parquet", "--prompt", bad_art, check=False)
     assert res.returncode == 2 and "truncated" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # refused after the model loaded: still one line
     assert not (tmp_path / "o.parquet").exists()
     res = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "no" / "o.parquet", check=False)
     assert res.returncode == 2 and "does not exist" in res.stderr
