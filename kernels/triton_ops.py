@@ -41,7 +41,9 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     CUDA graph, where the extra stream costs no host time (eager, that time exceeds the
     gain). By default the context kernel goes first, on the side stream. system_side:
     the system kernel goes first instead, on a high-priority side stream, so the block
-    scheduler places its programs ahead of the context kernel's many small ones.
+    scheduler places its programs ahead of the context kernel's many small ones. On the
+    H200 neither order overlaps the two kernels (scripts/device_context_sweep.py
+    --overlap; docs/benchmarks.md), so the engine keeps the default.
     """
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
