@@ -16,7 +16,7 @@ def _reference_probs(logits, temperature, top_k, top_p):
     probs = torch.softmax(torch.tensor([scaled[i] for i in order]), 0).tolist()
     kept, mass = [], 0.0
     for i, p in zip(order, probs):
-        if mass >= top_p:
+        if top_p < 1.0 and mass >= top_p:  # top_p = 1 filters nothing, however the sum rounds
             break
         kept.append(i)
         mass += p
@@ -89,3 +89,65 @@ def test_batch_rows_are_independent_and_greedy_rows_argmax():
     alone = [Sampler(torch.device("cpu")).sample(logits[i:i + 1], [i], [opts[i]])[0] for i in range(5)]
     assert together == alone
     assert together[1] == int(logits[1].argmax()) and together[4] == int(logits[4].argmax())
+
+
+def _peaked_logits(rows: int, vocab: int, head: int = 20) -> torch.Tensor:
+    """A few likely tokens and a long tail, as a language model gives: the top-p set is small."""
+    logits = torch.randn(rows, vocab)
+    for r in range(rows):
+        logits[r, torch.randperm(vocab)[:head]] += 12.0
+    return logits
+
+
+def test_candidate_filter_equals_the_full_sort():
+    """The CPU's partial sort keeps exactly the tokens the full sort keeps, with the same log-probs."""
+    from relaycli.engine.sampler import _filter_candidates
+    rng = random.Random()
+    vocab, rows = 3000, 8
+    logits = _peaked_logits(rows, vocab)
+    temps = torch.tensor([rng.uniform(0.5, 1.0) for _ in range(rows)])
+    # every row filters: a finite top_k, or top_p < 1, or both
+    ks = torch.tensor([rng.choice([1, 7, 50, vocab]) for _ in range(rows)])
+    ps = torch.tensor([rng.choice([0.3, 0.8, 0.95]) if k == vocab else rng.choice([0.5, 1.0]) for k in ks.tolist()])
+    full = filter_logits(logits, temps, ks, ps)
+    part = _filter_candidates(logits / temps[:, None], ks, ps, 64)
+    assert part is not None  # the peaked rows hold their top_p mass among 64 candidates
+    assert torch.equal(torch.isfinite(part), torch.isfinite(full))
+    kept = torch.isfinite(full)
+    assert torch.allclose(part[kept], full[kept], atol=1e-5)
+    for r in range(rows):  # and both are the per-row reference
+        want = _reference_probs(logits[r].tolist(), float(temps[r]), int(ks[r]), float(ps[r]))
+        assert set(torch.nonzero(kept[r]).flatten().tolist()) == set(want)
+
+
+def test_candidate_filter_falls_back_when_the_tail_matters():
+    """A flat row spreads its top_p mass past the candidates: the full sort runs, same answer."""
+    from relaycli.engine.sampler import _filter_candidates
+    vocab = 2000
+    logits = torch.randn(2, vocab) * 0.01
+    temps, ks, ps = torch.ones(2), torch.tensor([vocab, 5]), torch.tensor([0.9, 1.0])
+    assert _filter_candidates(logits, ks, ps, 64) is None
+    got = filter_logits(logits, temps, ks, ps, num_candidates=64)
+    assert int(torch.isfinite(got[0]).sum()) > 64 and int(torch.isfinite(got[1]).sum()) == 5
+    assert torch.equal(got, filter_logits(logits, temps, ks, ps))
+
+
+def test_cpu_sampler_filters_a_large_vocabulary_without_sorting_it(monkeypatch):
+    """A 49k-token vocabulary on the CPU: top-k/top-p rows go through the partial sort (no
+    torch.sort), and each draw is a token of the row's reference kept set."""
+    vocab = 49152
+    logits = _peaked_logits(4, vocab)
+    opts = [SamplingOptions(max_tokens=1, temperature=0.7, top_p=0.9, seed=1),
+            SamplingOptions(max_tokens=1, temperature=1.0, top_k=40, seed=2),
+            SamplingOptions(max_tokens=1, temperature=0.8, seed=3), SamplingOptions(max_tokens=1)]
+    wants = [_reference_probs(logits[r].tolist(), o.temperature, o.top_k or vocab, o.top_p)
+             for r, o in enumerate(opts[:2])]
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("the CPU sampler sorted the whole vocabulary")
+    monkeypatch.setattr(torch, "sort", no_sort)
+    sampler = Sampler(torch.device("cpu"))
+    for _ in range(20):
+        got = sampler.sample(logits, [0, 1, 2, 3], opts)
+        assert got[0] in wants[0] and got[1] in wants[1]
+        assert got[3] == int(logits[3].argmax())
