@@ -258,6 +258,45 @@ def test_bench_e2e_tiny_all_systems(tmp_path):
     assert "no-relay" in res.stdout and again.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_e2e_sampled(tmp_path):
+    """--temperature/--top-p: every request samples with its own seed; the two engines draw
+    the same tokens (same seeds, same fp32 logits), transformers samples on its own."""
+    out_json = tmp_path / "s.json"
+    res = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--workload", "fixed-128-256",
+                                   "--requests", "3", "--system-tokens", "32", "--max-batch", "4",
+                                   "--systems", "relay,no-relay,hf", "--max-output-len", "10", "--device", "cpu",
+                                   "--temperature", "0.8", "--top-p", "0.9", "--json", str(out_json), "--quiet"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out_json.read_text())
+    assert report["options"]["temperature"] == 0.8 and report["options"]["top_p"] == 0.9
+    assert "sampled at temperature 0.8 top_p 0.9" in res.stdout
+    rows = {r["system"]: r for r in report["rows"]}
+    for name in ("relay", "no-relay"):
+        assert rows[name]["exact_lengths"] and rows[name]["generated_tokens"] == 3 * 10, rows[name]
+    assert rows["no-relay"]["same_tokens_as_relay"] == "3/3"
+    assert rows["hf"]["generated_tokens"] == 3 * 10 and rows["hf"].get("same_tokens_as_relay", "-") == "-"
+    refused = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--top-p", "0.9", "--device", "cpu"])
+    assert refused.exit_code == 2 and "--temperature" in refused.output
+
+
+def test_run_engine_samples_with_each_requests_seed():
+    """The engine's sampled tokens differ from greedy ones, repeat for the same seeds, and
+    do not depend on the batch limit (each request draws from its own seed)."""
+    import random
+
+    from models.registry import load_model
+    from relaycli.bench.e2e import run_engine
+    lm = load_model("dummy:tiny", "float32", "cpu")
+    rng = random.Random()
+    shapes = [RequestShape(rng.randint(4, 12), 8) for _ in range(3)]
+    own = [[rng.randrange(lm.config.vocab_size) for _ in range(r.input_len)] for r in shapes]
+    hot = dict(temperature=1.0, top_p=1.0, top_k=None)
+    greedy = run_engine(lm, None, shapes, own, 4, True, None)["_ids"]
+    sampled = run_engine(lm, None, shapes, own, 4, True, None, sampling=hot)["_ids"]
+    again = run_engine(lm, None, shapes, own, 1, True, None, sampling=hot)["_ids"]
+    assert sampled == again and sampled != greedy
+
+
 def test_bench_kernels_tiny(tmp_path):
     out_json = tmp_path / "k.json"
     res = CliRunner().invoke(app, ["bench", "kernels", "--model", "dummy:tiny", "--system-tokens", "0,48",

@@ -106,15 +106,15 @@ def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Pa
 
 
 def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,
-         hf_requests, kv_cache_gb, quiet, short=False) -> dict:
+         hf_requests, kv_cache_gb, quiet, short=False, sampling: dict | None = None) -> dict:
     from relaycli.bench.e2e import E2EOptions, run_e2e
     given = dict(model=model, workload=workload, requests=requests,
                  system_tokens=_ints(system_tokens, "--system-tokens"),
                  max_batch=_ints(max_batch, "--max-batch"), max_output_len=max_output_len, hf_requests=hf_requests,
                  systems=[s.strip() for s in systems.split(",") if s.strip()] if systems else None)
     opts = {**default_e2e(_is_cuda(device), short), **{k: v for k, v in given.items() if v is not None}}
-    report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb),
-                     _progress(quiet))
+    report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb,
+                                **(sampling or {})), _progress(quiet))
     _print_e2e(report)
     return report
 
@@ -183,6 +183,9 @@ def e2e_cmd(
     max_output_len: Optional[int] = typer.Option(None, "--max-output-len", help="Clip output lengths (default: 128 on CPU, none on CUDA)."),
     hf_requests: Optional[int] = typer.Option(None, "--hf-requests", help="transformers answers only the first N requests (default: 64 on CUDA, all on CPU)."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="The engine's paged KV cache size."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Every request samples at this temperature (seed: its index); 0: greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus filter of sampled requests (with --temperature)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k filter of sampled requests (with --temperature)."),
     json_path: Optional[Path] = _JSON,
     plot_path: Optional[Path] = _PLOT,
     threads: Optional[int] = _THREADS,
@@ -192,7 +195,8 @@ def e2e_cmd(
     with _refusals(threads):
         _check_outputs(json_path, plot_path)
         report = _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed,
-                      max_output_len, hf_requests, kv_cache_gb, quiet)
+                      max_output_len, hf_requests, kv_cache_gb, quiet,
+                      sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
         _save([report], json_path, plot_path, quiet)
 
 

@@ -40,9 +40,21 @@ class E2EOptions:
     max_output_len: int | None = None  # clip outputs further (quick runs)
     hf_requests: int | None = None  # transformers answers only the first N (it is slow)
     kv_cache_gb: float | None = None
+    # every request samples with these (its seed: its index); temperature 0: greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
         get_workload(self.workload)
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.temperature == 0 and (self.top_p < 1 or self.top_k is not None):
+            raise ValueError("--top-p and --top-k filter sampled tokens; set --temperature above 0 too")
         if self.requests < 1:
             raise ValueError(f"--requests must be at least 1, got {self.requests}")
         if not self.system_tokens or any(s < 0 for s in self.system_tokens):
@@ -59,19 +71,21 @@ class E2EOptions:
 
 def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[RequestShape], own_ids: list[list[int]],
                max_batch: int, relay: bool, kv_cache_gb: float | None, cuda_graphs: bool = True,
-               overlap_steps: bool = True) -> dict:
+               overlap_steps: bool = True, sampling: dict | None = None) -> dict:
     """One measured run of the engine after a warm-up on the same engine, as a server
     warms up before it serves: the first max_batch requests with outputs cut to 128
     tokens (4 on CPU), then prefill rounds of one and of three requests (small prefills
     compile kernel variants of their own), then a capture of every CUDA graph the run
-    can meet. Compiles and captures still paid inside the timed run are reported."""
+    can meet. Compiles and captures still paid inside the timed run are reported.
+    sampling: temperature, top_p, top_k for every request (its seed is its index); None: greedy."""
     dev = lm.model.device
     pre_ids = prefix.token_ids if prefix else []
     slot = 0 if prefix else None
 
     def requests(cap: int | None = None, count: int | None = None) -> list[TokenRequest]:
         return [TokenRequest(i, str(i), pre_ids + own_ids[i],
-                             SamplingOptions(max_tokens=min(r.output_len, cap or r.output_len), ignore_eos=True),
+                             SamplingOptions(max_tokens=min(r.output_len, cap or r.output_len), ignore_eos=True,
+                                             seed=i, **(sampling or {})),
                              prefix_slot=slot) for i, r in enumerate(shapes[:count])]
 
     engine = Engine(lm, [prefix] if prefix else [],
@@ -207,6 +221,8 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
     rng = random.Random(opts.seed + 1)
     vocab = lm.config.vocab_size
     own_ids = [[rng.randrange(vocab) for _ in range(r.input_len)] for r in shapes]
+    sampling = (dict(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k)
+                if opts.temperature > 0 else None)
     rows = []
     for s in opts.system_tokens:
         ids = [rng.randrange(vocab) for _ in range(s)]
@@ -216,11 +232,14 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
             for system in opts.systems:
                 base = {"system": system, "system_tokens": s, "max_batch": b, "workload": spec.name}
                 if system == "hf":
-                    row = hf_row(lm, ids, shapes[:opts.hf_requests], own_ids, b, s)
+                    row = hf_row(lm, ids, shapes[:opts.hf_requests], own_ids, b, s, sampling)
                 else:
-                    row = run_engine(lm, prefix, shapes, own_ids, b, system == "relay", opts.kv_cache_gb)
+                    row = run_engine(lm, prefix, shapes, own_ids, b, system == "relay", opts.kv_cache_gb,
+                                     sampling=sampling)
                 row = {**base, **row}
-                ids_by_system[system] = row.pop("_ids", None)
+                token_ids = row.pop("_ids", None)
+                # sampled: the engines draw alike (each row's own seed), transformers does not
+                ids_by_system[system] = None if sampling and system == "hf" else token_ids
                 if "seconds" in row:
                     price_decode(row, shape, s, ceil, input_lens=[r.input_len for r in shapes])
                 rows.append(row)

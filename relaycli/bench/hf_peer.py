@@ -82,12 +82,13 @@ def hf_batch_limit(lm: LoadedModel, max_batch: int, tokens_per_request: int) -> 
 
 @torch.inference_mode()
 def run_hf(lm: LoadedModel, hf, prefix_ids: list[int], shapes: list[RequestShape], own_ids: list[list[int]],
-           batch: int) -> dict:
+           batch: int, sampling: dict | None = None) -> dict:
     """Static batches of `batch` requests in order. The system prompt's KV is computed once
     (untimed, like compile-prompt) and copied into each batch's cache; each row is the
     system part, then masked left padding, then its own tokens, so the positions generate
     derives from the mask are those of the unpadded prompt. A batch runs to its longest
-    output; only each request's own output length counts as generated."""
+    output; only each request's own output length counts as generated. sampling:
+    temperature, top_p, top_k for generate's own sampler (None: greedy)."""
     import inspect
 
     from transformers import DynamicCache, LogitsProcessorList
@@ -95,6 +96,9 @@ def run_hf(lm: LoadedModel, hf, prefix_ids: list[int], shapes: list[RequestShape
     params = inspect.signature(type(hf).forward).parameters
     kw = "cache" if "cache" in params else "past_key_values"
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    # top_k=0 turns off generate's default top-k of 50, which relay does not apply
+    draw = (dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                 top_k=sampling["top_k"] or 0) if sampling else dict(do_sample=False))
     dev = lm.model.device
     s = len(prefix_ids)
     cache = None
@@ -120,7 +124,7 @@ def run_hf(lm: LoadedModel, hf, prefix_ids: list[int], shapes: list[RequestShape
             past = copy.deepcopy(cache)
             past.batch_repeat_interleave(len(part))
         clock = _StepClock(dev)
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **draw,
                           logits_processor=LogitsProcessorList([clock]), pad_token_id=0, **{kw: past})
         if out.shape[1] - ids.shape[1] != new:
             raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, asked for {new}")
@@ -143,7 +147,7 @@ def run_hf(lm: LoadedModel, hf, prefix_ids: list[int], shapes: list[RequestShape
 
 
 def hf_row(lm: LoadedModel, prefix_ids: list[int], shapes: list[RequestShape], own_ids: list[list[int]],
-            max_batch: int, s: int) -> dict:
+            max_batch: int, s: int, sampling: dict | None = None) -> dict:
     hf = hf_twin(lm)
     if hf is None:
         return {"skipped": f"transformers twin not available for {lm.config.architecture} with biases/norms"}
@@ -152,7 +156,7 @@ def hf_row(lm: LoadedModel, prefix_ids: list[int], shapes: list[RequestShape], o
     try:
         while True:
             try:
-                return run_hf(lm, hf, prefix_ids, shapes, own_ids, batch)
+                return run_hf(lm, hf, prefix_ids, shapes, own_ids, batch, sampling)
             except torch.cuda.OutOfMemoryError:
                 free_memory(lm.model.device)
                 if batch == 1:

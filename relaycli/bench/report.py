@@ -25,8 +25,14 @@ def _ceilings(report: dict) -> str:
 
 def e2e_table(report: dict) -> Table:
     wl = report["workload"]
+    opts = report.get("options", {})
+    drawn = ""
+    if opts.get("temperature"):
+        drawn = (f", sampled at temperature {opts['temperature']}"
+                 + (f" top_p {opts['top_p']}" if opts.get("top_p", 1.0) < 1 else "")
+                 + (f" top_k {opts['top_k']}" if opts.get("top_k") else ""))
     title = (f"relay bench e2e: {report['model']} {report['dtype']} on {report['machine'].get('gpu', 'cpu')}; "
-             f"{wl['name']} x {wl['requests']} (seed {wl['seed']}); {_ceilings(report)}")
+             f"{wl['name']} x {wl['requests']} (seed {wl['seed']}{drawn}); {_ceilings(report)}")
     t = Table(title=title, title_justify="left")
     for col in ("system", "S", "max batch", "req/s", "tok/s", "x no-relay", "TTFT p50 (s)", "TTFT p90 (s)",
                 "step (ms)", "floor (ms)", "% floor", "% floor B>=64", "exact", "same ids"):
