@@ -104,20 +104,25 @@ class Sampler:
             picked = [options[i] for i in rows]
             temperature = to_device([o.temperature for o in picked], logits.dtype, dev)
             index = to_device(rows, torch.int64, dev)  # a list index would copy and wait
-            log_p = torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
             # Rows with a top-k or top-p are filtered together; temperature-only rows need no sort.
             cut = [j for j, o in enumerate(picked) if (o.top_k or vocab) < vocab or o.top_p < 1.0]
+            every = len(cut) == len(picked)  # then there is no plain softmax to compute at all
+            log_p = None if every else torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
             if cut:
                 ks = [min(picked[j].top_k or vocab, vocab) for j in cut]
                 # On the CPU a partial sort of the largest tokens is much cheaper than sorting
                 # the vocabulary; its coverage check reads a value back, which on a GPU would
                 # stall the overlapped step, so the GPU sorts in full.
                 candidates = max([CPU_CANDIDATES] + [k for k in ks if k < vocab])
-                at = to_device(cut, torch.int64, dev)
-                log_p[at] = filter_logits(
-                    logits[index[at]], temperature[at], to_device(ks, torch.int64, dev),
-                    to_device([picked[j].top_p for j in cut], logits.dtype, dev),
+                at = None if every else to_device(cut, torch.int64, dev)
+                filtered = filter_logits(
+                    logits[index if every else index[at]], temperature if every else temperature[at],
+                    to_device(ks, torch.int64, dev), to_device([picked[j].top_p for j in cut], logits.dtype, dev),
                     num_candidates=candidates if dev.type == "cpu" and 2 * candidates <= vocab else None)
+                if every:
+                    log_p = filtered
+                else:
+                    log_p[at] = filtered
             u = torch.stack([torch.rand(vocab, generator=self.generator(seq_ids[i], options[i].seed), device=dev)
                              for i in rows])
             gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
