@@ -93,14 +93,12 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
     bar = Progress(*columns, console=console, disable=quiet, transient=False)
     task = bar.add_task("rows", total=None, tps="")
     status = None if quiet else console.status("checking the inputs and loading the model")
-    started: list[bool] = []  # on_start ran: the bar is live and must be stopped
 
     def on_start(total: int, done: int) -> None:
         if status is not None:
             status.stop()
         bar.update(task, total=total, completed=done)
         bar.start()
-        started.append(True)
 
     def on_result(stats) -> None:
         bar.update(task, advance=1, tps=f"{stats.generated_tokens_per_second():.1f} tok/s")
@@ -112,7 +110,7 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
     finally:
         if status is not None:
             status.stop()
-        if started:
+        if bar.live.is_started:  # on_start ran
             bar.stop()
     if not quiet:
         print_summary(summary)
