@@ -8,6 +8,7 @@ min_new_tokens = max_new_tokens). Nothing here prints; `progress` gets one line 
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from dataclasses import dataclass, field
@@ -147,13 +148,11 @@ class GcPauses:
     """Counts Python's garbage collections, and the time they take, while active."""
 
     def __enter__(self) -> "GcPauses":
-        import gc
         self.count, self.seconds, self._t0 = 0, 0.0, None
         gc.callbacks.append(self._on_gc)
         return self
 
     def __exit__(self, *exc) -> None:
-        import gc
         gc.callbacks.remove(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
