@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from relaycli.engine.sampler import Sampler, filter_logits
+from relaycli.engine.sampler import Sampler, draw_seed, filter_logits, keep_threshold
 from relaycli.engine.sequence import SamplingOptions
 
 
@@ -54,10 +54,10 @@ def test_draws_follow_the_filtered_distribution():
     sampler = Sampler(torch.device("cpu"))
     n = 20000
     counts = {}
-    # One sequence drawing n times from its own generator: an exact categorical sampler
-    # gives frequencies within a few standard errors of want.
-    for _ in range(n):
-        tok = sampler.sample(logits[None], [7], [opt])[0]
+    # One request drawing its tokens 0..n-1: an exact categorical sampler gives
+    # frequencies within a few standard errors of want.
+    for draw in range(n):
+        tok = sampler.sample(logits[None], [opt], [draw])[0]
         counts[tok] = counts.get(tok, 0) + 1
     assert set(counts) <= set(want)
     for i, p in want.items():
@@ -73,8 +73,8 @@ def test_temperature_only_draws_follow_the_softmax():
     sampler = Sampler(torch.device("cpu"))
     n = 20000
     counts = [0] * 5
-    for _ in range(n):
-        counts[sampler.sample(logits[None], [3], [opt])[0]] += 1
+    for draw in range(n):
+        counts[sampler.sample(logits[None], [opt], [draw])[0]] += 1
     for i, p in enumerate(want):
         assert abs(counts[i] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (i, counts[i] / n, p)
 
@@ -85,9 +85,12 @@ def test_batch_rows_are_independent_and_greedy_rows_argmax():
     opts = [SamplingOptions(max_tokens=1, temperature=1.0, seed=11), SamplingOptions(max_tokens=1),
             SamplingOptions(max_tokens=1, temperature=0.7, top_p=0.8, seed=12),
             SamplingOptions(max_tokens=1, temperature=1.2, top_k=4, seed=13), SamplingOptions(max_tokens=1)]
-    together = Sampler(torch.device("cpu")).sample(logits, [0, 1, 2, 3, 4], opts)
-    alone = [Sampler(torch.device("cpu")).sample(logits[i:i + 1], [i], [opts[i]])[0] for i in range(5)]
+    draws = [0, 3, 7, 1, 2]
+    together = Sampler(torch.device("cpu")).sample(logits, opts, draws)
+    alone = [Sampler(torch.device("cpu")).sample(logits[i:i + 1], [opts[i]], [draws[i]])[0] for i in range(5)]
     assert together == alone
+    again = Sampler(torch.device("cpu")).sample(logits, opts, draws)  # no state: the same draws repeat
+    assert again == together
     assert together[1] == int(logits[1].argmax()) and together[4] == int(logits[4].argmax())
 
 
@@ -100,8 +103,8 @@ def _peaked_logits(rows: int, vocab: int, head: int = 20) -> torch.Tensor:
 
 
 def test_candidate_filter_equals_the_full_sort():
-    """The CPU's partial sort keeps exactly the tokens the full sort keeps, with the same log-probs."""
-    from relaycli.engine.sampler import _filter_candidates
+    """The CPU's partial sort finds exactly the threshold the full sort finds."""
+    from relaycli.engine.sampler import _threshold_of_sorted
     rng = random.Random()
     vocab, rows = 3000, 8
     logits = _peaked_logits(rows, vocab)
@@ -109,12 +112,13 @@ def test_candidate_filter_equals_the_full_sort():
     # every row filters: a finite top_k, or top_p < 1, or both
     ks = torch.tensor([rng.choice([1, 7, 50, vocab]) for _ in range(rows)])
     ps = torch.tensor([rng.choice([0.3, 0.8, 0.95]) if k == vocab else rng.choice([0.5, 1.0]) for k in ks.tolist()])
-    full = filter_logits(logits, temps, ks, ps)
-    part = _filter_candidates(logits / temps[:, None], ks, ps, 64)
+    scaled = logits / temps[:, None]
+    part = _threshold_of_sorted(scaled, torch.topk(scaled, 64, dim=-1)[0], ks, ps)
     assert part is not None  # the peaked rows hold their top_p mass among 64 candidates
-    assert torch.equal(torch.isfinite(part), torch.isfinite(full))
+    assert torch.equal(part, keep_threshold(scaled, ks, ps))
+    full = filter_logits(logits, temps, ks, ps)
+    assert torch.equal(filter_logits(logits, temps, ks, ps, num_candidates=64), full)
     kept = torch.isfinite(full)
-    assert torch.allclose(part[kept], full[kept], atol=1e-5)
     for r in range(rows):  # and both are the per-row reference
         want = _reference_probs(logits[r].tolist(), float(temps[r]), int(ks[r]), float(ps[r]))
         assert set(torch.nonzero(kept[r]).flatten().tolist()) == set(want)
@@ -122,14 +126,33 @@ def test_candidate_filter_equals_the_full_sort():
 
 def test_candidate_filter_falls_back_when_the_tail_matters():
     """A flat row spreads its top_p mass past the candidates: the full sort runs, same answer."""
-    from relaycli.engine.sampler import _filter_candidates
+    from relaycli.engine.sampler import _threshold_of_sorted
     vocab = 2000
     logits = torch.randn(2, vocab) * 0.01
     temps, ks, ps = torch.ones(2), torch.tensor([vocab, 5]), torch.tensor([0.9, 1.0])
-    assert _filter_candidates(logits, ks, ps, 64) is None
+    assert _threshold_of_sorted(logits, torch.topk(logits, 64, dim=-1)[0], ks, ps) is None
     got = filter_logits(logits, temps, ks, ps, num_candidates=64)
     assert int(torch.isfinite(got[0]).sum()) > 64 and int(torch.isfinite(got[1]).sum()) == 5
     assert torch.equal(got, filter_logits(logits, temps, ks, ps))
+
+
+def test_tokens_tied_with_the_last_kept_one_are_kept():
+    """top-k and top-p keep every token equal to the last one they keep (a sort would pick
+    among equals arbitrarily); logits rounded to bf16 tie often."""
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 2.0, 0.0]] * 2)
+    got = filter_logits(logits, torch.ones(2), torch.tensor([2, 6]), torch.tensor([1.0, 0.75]))
+    kept = torch.isfinite(got)
+    # top_k = 2: the 2nd largest value is 2.0, held by three tokens
+    assert kept[0].tolist() == [True, True, True, False, True, False]
+    # top_p = 0.75: 3.0 alone holds 0.44 of the mass, so the head reaches 2.0, and all of its ties
+    assert kept[1].tolist() == [True, True, True, False, True, False]
+    torch.testing.assert_close(got[0].exp().sum(), torch.tensor(1.0))
+
+
+def test_draw_seed_separates_requests_and_draws():
+    seeds = {draw_seed(s, d) for s in range(50) for d in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 2 ** 63 for x in seeds)
+    assert draw_seed(7, 3) == draw_seed(7, 3)
 
 
 def test_cpu_sampler_filters_a_large_vocabulary_without_sorting_it(monkeypatch):
@@ -147,7 +170,7 @@ def test_cpu_sampler_filters_a_large_vocabulary_without_sorting_it(monkeypatch):
         raise AssertionError("the CPU sampler sorted the whole vocabulary")
     monkeypatch.setattr(torch, "sort", no_sort)
     sampler = Sampler(torch.device("cpu"))
-    for _ in range(20):
-        got = sampler.sample(logits, [0, 1, 2, 3], opts)
+    for draw in range(20):
+        got = sampler.sample(logits, opts, [draw] * 4)
         assert got[0] in wants[0] and got[1] in wants[1]
         assert got[3] == int(logits[3].argmax())

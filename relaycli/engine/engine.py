@@ -304,7 +304,6 @@ class Engine:
                 self.scheduler.finish(seq)
             elif not (seq.is_finished and index == len(seq.output_ids) - 1):
                 continue  # still going (or its last token is still to come)
-            self.runner.sampler.forget(seq.seq_id)
             finished.append(self._result(self._live.pop(seq.seq_id)))
         return finished
 

@@ -55,7 +55,7 @@ class ModelRunner:
                                         "relay" if config.relay else "no-relay", impl,
                                         self.mc.head_dim ** -0.5)
         self.layer_ops = layer_ops(impl)  # fused norm/rope/activation kernels, or None: eager
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, "triton" if impl == "triton" else "torch")
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and impl == "triton":
             from relaycli.engine.cuda_graph import DecodeGraphs
@@ -165,7 +165,7 @@ class ModelRunner:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill, decode_ids)
             hidden = self.model(input_ids, positions, self.attention.attend_fn(meta), self.layer_ops)
             logits = self.model.compute_logits(hidden[last_rows])
-        tokens = self.sampler.sample_tensor(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])
+        tokens = self.sampler.sample_tensor(logits, [s.sampling for s in seqs], [len(s.output_ids) for s in seqs])
         indices = []
         for seq in seqs:
             seq.num_cached_own = seq.num_own_tokens

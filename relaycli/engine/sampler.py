@@ -1,10 +1,12 @@
 """Next-token choice for a whole batch, on the device (the engine reads it back a step later).
 
-Greedy rows take the argmax. Sampling rows are filtered (temperature, top-k, top-p) as
-one batched tensor operation and drawn by the Gumbel-max trick: argmax(log p + g) with
-g = -log(-log u) is an exact draw from p. Each sequence owns a torch.Generator seeded
-from its row's seed that supplies its u, so its output depends only on its seed and its
-logits, never on which other rows share the batch.
+Greedy rows take the argmax. Sampling rows are filtered (temperature, top-k, top-p) to
+the tokens at or above a per-row threshold and drawn by the Gumbel-max trick:
+argmax(log p + g) with g = -log(-log u) is an exact draw from p. A row's u comes from a
+random stream keyed by its request's seed and the index of the token being drawn
+(`draw_seed`), so its output depends only on its seed and its logits, never on which
+other rows share the batch, nor on preemption. On CUDA one Triton kernel does it all
+(kernels/triton_sampler.py); the PyTorch path here is the reference and the CPU's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from relaycli.engine.sequence import SamplingOptions
-from relaycli.engine.staging import to_device
+from relaycli.engine.staging import stage, to_device
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -20,111 +22,137 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """Log-probabilities after temperature, top-k and top-p; dropped tokens get -inf.
 
     logits [R, V] fp32; temperature [R] (> 0), top_k [R] int64 (V = off), top_p [R] in (0, 1].
-    num_candidates: look for the kept tokens among each row's num_candidates largest
+    A token is kept when its scaled logit is at least the row's `keep_threshold` (so
+    tokens equal to the last kept one are kept too).
+    num_candidates: look for the threshold among each row's num_candidates largest tokens
     (at least every finite top_k) instead of sorting the whole vocabulary; a row whose
-    candidates hold less than its top_p mass sends the batch down the full sort. Same
-    result either way; it needs a host check, so only CPU callers pass it.
+    candidates cannot settle it sends the batch down the full sort. Same result either
+    way; it needs a host check, so only CPU callers pass it.
     """
     scaled = logits / temperature[:, None]
+    threshold = keep_threshold(scaled, top_k, top_p, num_candidates)
+    return torch.log_softmax(scaled.masked_fill(scaled < threshold[:, None], float("-inf")), dim=-1)
+
+
+def keep_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   num_candidates: int | None = None) -> torch.Tensor:
+    """The smallest kept value of each row of scaled logits [R, V] (-inf: keep all).
+
+    top-k keeps values >= the k-th largest; top-p then keeps the values >= x_j, where x_j is
+    the first value of the descending row at which the running probability (within the
+    top-k set) reaches top_p. top_p = 1 keeps the whole top-k set, however the sum rounds.
+    """
     vocab = scaled.shape[-1]
     if num_candidates is not None and num_candidates < vocab:
-        out = _filter_candidates(scaled, top_k, top_p, num_candidates)
-        if out is not None:
-            return out
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-    log_probs_sorted = _keep_log_probs(sorted_logits, torch.softmax, top_k, top_p)
-    return torch.empty_like(log_probs_sorted).scatter_(-1, order, log_probs_sorted)
+        found = _threshold_of_sorted(scaled, torch.topk(scaled, num_candidates, dim=-1, sorted=True)[0],
+                                     top_k, top_p)
+        if found is not None:
+            return found
+    return _threshold_of_sorted(scaled, torch.sort(scaled, dim=-1, descending=True)[0], top_k, top_p)
 
 
-def _keep_log_probs(sorted_logits: torch.Tensor, probs_of, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Renormalised log-probabilities of the kept tokens of rows sorted in descending order."""
-    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
-    drop = ranks[None, :] >= top_k[:, None]
-    probs = probs_of(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-    # top_p = 1 keeps every token: an fp32 running sum can reach 1 before the last few.
-    drop |= ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    return torch.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-
-
-def _filter_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       num_candidates: int) -> torch.Tensor | None:
-    """filter_logits on each row's num_candidates largest tokens; None when they cannot hold the answer."""
-    vocab = scaled.shape[-1]
-    assert bool((top_k[top_k < vocab] <= num_candidates).all()), "num_candidates must cover every top_k"
-    cand, index = torch.topk(scaled, num_candidates, dim=-1, sorted=True)
-    # Probabilities against the whole top-k set: the candidates hold all of it when top_k
-    # is finite; otherwise the normaliser is the whole row's.
-    whole = torch.logsumexp(scaled, dim=-1)
-
-    def probs_of(masked: torch.Tensor, dim: int) -> torch.Tensor:
-        norm = torch.where(top_k < vocab, torch.logsumexp(masked, dim=dim), whole)
-        return torch.exp(masked - norm[:, None])
-
-    # Without a top_k, tokens past the candidates are kept when the candidates' mass stays
-    # under top_p (or top_p = 1): then the whole row must be sorted.
-    mass = torch.exp(cand - whole[:, None]).sum(-1)
-    needs_more = (top_k >= vocab) & ((top_p >= 1.0) | (mass < top_p))
-    if bool(needs_more.any()):
-        return None
-    kept = _keep_log_probs(cand, probs_of, top_k, top_p)
-    return torch.full_like(scaled, float("-inf")).scatter_(-1, index, kept)
+def _threshold_of_sorted(scaled: torch.Tensor, head: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor | None:
+    """keep_threshold from each row's largest values head [R, n] (descending; n = V for the
+    whole row); None when a row's answer lies past its head."""
+    vocab, n = scaled.shape[-1], head.shape[-1]
+    has_k = top_k < vocab
+    if n < vocab:  # (a check that reads back: only the CPU passes a partial head)
+        assert bool((top_k[has_k] <= n).all()), "the head must hold every finite top_k"
+    neg_inf = torch.full_like(head[:, 0], float("-inf"))
+    k_value = torch.where(has_k, head.gather(1, (top_k.clamp(max=n) - 1)[:, None])[:, 0], neg_inf)
+    row_max = head[:, 0:1]
+    # The top-k set's mass over the whole row: ties of the k-th value may lie past the head.
+    in_k = scaled >= k_value[:, None]
+    total = torch.where(in_k, torch.exp(scaled - row_max), 0.0).sum(-1)
+    running = torch.cumsum(torch.where(head >= k_value[:, None], torch.exp(head - row_max), 0.0), dim=-1)
+    reached = running >= (top_p * total)[:, None]
+    has_p = top_p < 1.0
+    first = reached.float().argmax(dim=-1)  # first index that reaches top_p (0 if none)
+    found = reached.any(dim=-1)
+    if n < vocab and bool((has_p & ~found).any()):
+        return None  # the head holds less than top_p of the mass: the answer is further on
+    # A whole row that never reaches top_p (its sum rounded below) keeps its top-k set.
+    p_value = torch.where(has_p & found, head.gather(1, first[:, None])[:, 0], neg_inf)
+    return torch.maximum(k_value, p_value)
 
 
 CPU_CANDIDATES = 1024  # tokens the CPU looks among for top-k / top-p before sorting a whole row
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """The random stream of a request's draw-th token: a 63-bit mix (splitmix64) of its
+    seed and the draw index, so every token's noise is fixed by the request alone."""
+    z = (seed * 0x9E3779B97F4A7C15 + (draw + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._generators: dict[int, torch.Generator] = {}
+    """Token choice for a batch. kernel "triton": one Triton launch for the whole batch
+    (kernels/triton_sampler.py, CUDA); "torch": PyTorch ops on any device, where each
+    sampled row draws its u from a torch.Generator seeded with draw_seed. Both draw from
+    the same filtered distribution; their random streams differ."""
 
-    def generator(self, seq_id: int, seed: int) -> torch.Generator:
-        gen = self._generators.get(seq_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[seq_id] = gen
-        return gen
+    KERNELS = ("torch", "triton")
 
-    def forget(self, seq_id: int) -> None:
-        self._generators.pop(seq_id, None)
+    def __init__(self, device: torch.device, kernel: str = "torch") -> None:
+        if kernel not in self.KERNELS:
+            raise ValueError(f"sampler kernel must be one of {self.KERNELS}, got {kernel!r}")
+        self.device, self.kernel = device, kernel
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int], options: list[SamplingOptions]) -> list[int]:
+    def sample(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> list[int]:
         """logits [B, V] fp32 -> one token id per row (waits for the device)."""
-        return self.sample_tensor(logits, seq_ids, options).tolist()
+        return self.sample_tensor(logits, options, draws).tolist()
 
-    def sample_tensor(self, logits: torch.Tensor, seq_ids: list[int], options: list[SamplingOptions]) -> torch.Tensor:
-        """logits [B, V] fp32 -> token ids [B] int64 on logits' device, without waiting for it."""
+    def sample_tensor(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:
+        """logits [B, V] fp32 -> token ids [B] int64 on logits' device, without waiting for it.
+
+        draws[i]: how many tokens row i's request has drawn before this one (its output index).
+        """
+        if all(opt.is_greedy for opt in options):
+            return logits.argmax(dim=-1)
+        if self.kernel == "triton":
+            from kernels import triton_sampler
+            vocab = logits.shape[-1]
+            params = triton_sampler.pack_params(
+                [draw_seed(o.seed, d) for o, d in zip(options, draws)], [min(o.top_k or vocab, vocab) for o in options],
+                [o.temperature for o in options], [o.top_p for o in options])
+            return triton_sampler.sample(logits, stage(params, logits.device))
+        return self._sample_torch(logits, options, draws)
+
+    def _sample_torch(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:
         choice = logits.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if not opt.is_greedy]
-        if rows:
-            vocab = logits.shape[-1]
-            dev = logits.device
-            picked = [options[i] for i in rows]
-            temperature = to_device([o.temperature for o in picked], logits.dtype, dev)
-            index = to_device(rows, torch.int64, dev)  # a list index would copy and wait
-            # Rows with a top-k or top-p are filtered together; temperature-only rows need no sort.
-            cut = [j for j, o in enumerate(picked) if (o.top_k or vocab) < vocab or o.top_p < 1.0]
-            every = len(cut) == len(picked)  # then there is no plain softmax to compute at all
-            log_p = None if every else torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
-            if cut:
-                ks = [min(picked[j].top_k or vocab, vocab) for j in cut]
-                # On the CPU a partial sort of the largest tokens is much cheaper than sorting
-                # the vocabulary; its coverage check reads a value back, which on a GPU would
-                # stall the overlapped step, so the GPU sorts in full.
-                candidates = max([CPU_CANDIDATES] + [k for k in ks if k < vocab])
-                at = None if every else to_device(cut, torch.int64, dev)
-                filtered = filter_logits(
-                    logits[index if every else index[at]], temperature if every else temperature[at],
-                    to_device(ks, torch.int64, dev), to_device([picked[j].top_p for j in cut], logits.dtype, dev),
-                    num_candidates=candidates if dev.type == "cpu" and 2 * candidates <= vocab else None)
-                if every:
-                    log_p = filtered
-                else:
-                    log_p[at] = filtered
-            u = torch.stack([torch.rand(vocab, generator=self.generator(seq_ids[i], options[i].seed), device=dev)
-                             for i in rows])
-            gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-            choice[index] = (log_p + gumbel).argmax(dim=-1)
+        vocab = logits.shape[-1]
+        dev = logits.device
+        picked = [options[i] for i in rows]
+        temperature = to_device([o.temperature for o in picked], logits.dtype, dev)
+        index = to_device(rows, torch.int64, dev)  # a list index would copy and wait
+        # Rows with a top-k or top-p are filtered together; temperature-only rows need no sort.
+        cut = [j for j, o in enumerate(picked) if (o.top_k or vocab) < vocab or o.top_p < 1.0]
+        every = len(cut) == len(picked)  # then there is no plain softmax to compute at all
+        log_p = None if every else torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
+        if cut:
+            ks = [min(picked[j].top_k or vocab, vocab) for j in cut]
+            # On the CPU a partial sort of the largest tokens is much cheaper than sorting
+            # the vocabulary; its coverage check reads a value back, which on a GPU would
+            # stall the overlapped step, so the GPU sorts in full.
+            candidates = max([CPU_CANDIDATES] + [k for k in ks if k < vocab])
+            at = None if every else to_device(cut, torch.int64, dev)
+            filtered = filter_logits(
+                logits[index if every else index[at]], temperature if every else temperature[at],
+                to_device(ks, torch.int64, dev), to_device([picked[j].top_p for j in cut], logits.dtype, dev),
+                num_candidates=candidates if dev.type == "cpu" and 2 * candidates <= vocab else None)
+            if every:
+                log_p = filtered
+            else:
+                log_p[at] = filtered
+        u = torch.stack([torch.rand(vocab, device=dev, generator=torch.Generator(device=dev).manual_seed(
+            draw_seed(options[i].seed, draws[i]))) for i in rows])
+        gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+        choice[index] = (log_p + gumbel).argmax(dim=-1)
         return choice
