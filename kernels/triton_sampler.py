@@ -1,6 +1,8 @@
-"""Next-token draws for a whole batch in one Triton kernel: no sort, no per-row launches.
+"""Next-token draws for a whole batch in two Triton launches: no sort, no per-row launches.
 
-One program per row. Temperature scales the row (x / T, rounded as PyTorch divides).
+The first kernel finds each row's threshold (one program per row; rows that keep every
+token exit at once), the second draws (programs of `chunk` tokens, which meet in one
+atomic max per row). Temperature scales the row (x / T, rounded as PyTorch divides).
 Top-k and top-p become one threshold on the scaled logits: a token is kept when it is at
 least as large as
 
@@ -9,14 +11,16 @@ least as large as
   probability (top-p: the smallest head of the sorted row that reaches top_p).
 
 The threshold is found without sorting. One pass takes the row's max and softmax
-normaliser; a second counts the tokens (and their probability) within 2^-6 ... 2^8 of the
-max, and the kept tokens all lie in the first such band that holds top_k tokens (or
-top_p of the mass); when it holds at most the scratch width (4,096) they are copied out,
-and the search runs over those alone. The search maps fp32 values to int32 keys of the
-same order and asks, for PROBES candidate keys per pass, how many tokens (or how much
-probability) lie at or above each; about 11 passes settle 2^32 keys.
+normaliser. Then a search narrows an interval that holds the threshold: each pass asks,
+for PROBES candidate thresholds at once, how many tokens (or how much probability) lie at
+or above each. Candidates are evenly spaced values while the interval is wide, and evenly
+spaced fp32 order keys (int32 with the floats' order) once it is a few thousand fp32
+steps wide, so the search ends exactly. As soon as at most the scratch width of tokens
+(4,096) lie in the interval, they are copied out and the remaining passes read only them:
+for a language model's peaked rows that is after one or two passes over the row.
 The draw is the Gumbel-max trick over the kept tokens, argmax(x + g), g = -log(-log u),
-with u from Philox keyed by the row's seed and the token index, so a row's token depends
+with u from Philox keyed by the row's seed and the token index (one Philox call serves
+four neighbouring tokens), so a row's token depends
 only on its logits, its options and its seed. Greedy rows (T = 0) take the plain argmax
 (first index among equal maxima, as torch.argmax).
 
@@ -131,12 +135,12 @@ def _settle(row_ptr, vocab, divisor, scratch_row, lo, hi, count_lo, in_scratch, 
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, out_ptr, threshold_ptr, vocab,
-                   SCRATCH: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+def _threshold_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, threshold_ptr, best_ptr, vocab,
+                      SCRATCH: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+    """Each row's smallest kept scaled logit (-inf: all kept), one program per row."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     scratch_row = scratch_ptr + row * SCRATCH
-    seed = tl.load(params_ptr + row * 4)
     top_k = tl.load(params_ptr + row * 4 + 1)
     temperature = tl.load(params_ptr + row * 4 + 2).to(tl.int32).to(tl.float32, bitcast=True)
     top_p = tl.load(params_ptr + row * 4 + 3).to(tl.int32).to(tl.float32, bitcast=True)
@@ -179,21 +183,46 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, out_ptr, thr
                 row_ptr, vocab, divisor, scratch_row, lo, hi, count_lo, in_scratch, num_scratch, row_max,
                 top_p * total, SCRATCH=SCRATCH, USE_MASS=True, BLOCK=BLOCK, PROBES=PROBES)
             threshold = _key_value(lo)
-    # The draw: Gumbel-max over the kept tokens (greedy rows: the plain argmax).
-    best = -float("inf")
+    tl.store(threshold_ptr + row, threshold)
+    tl.store(best_ptr + row, -(2 ** 63))  # the draw kernel's running best, reset for this step
+
+
+@triton.jit
+def _uniform(seed, start, BLOCK: tl.constexpr):
+    """u in [0, 1) for tokens start .. start+BLOCK-1 (start a multiple of 4): one Philox call
+    gives four numbers, so each call serves four neighbouring tokens."""
+    r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
+    r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
+    return tl.uint_to_uniform_float(r)
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, stride_row, params_ptr, threshold_ptr, best_ptr, vocab,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Gumbel-max over the kept tokens of one chunk of a row (greedy rows: the plain max);
+    the chunks of a row meet in one atomic max of (order key of the value, -index)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk_start = tl.program_id(1) * CHUNK
+    row_ptr = logits_ptr + row * stride_row
+    seed = tl.load(params_ptr + row * 4)
+    temperature = tl.load(params_ptr + row * 4 + 2).to(tl.int32).to(tl.float32, bitcast=True)
+    divisor = tl.where(temperature == 0.0, 1.0, temperature)
+    threshold = tl.load(threshold_ptr + row)
+    best = tl.full((), -float("inf"), tl.float32)
     best_index = tl.zeros((), dtype=tl.int64)
-    for start in range(0, vocab, BLOCK):
+    for start in range(chunk_start, chunk_start + CHUNK, BLOCK):
         x, cols, mask = _scaled_block(row_ptr, start, vocab, divisor, BLOCK)
         if temperature != 0.0:
-            u = tl.maximum(tl.rand(seed, cols), 1.1754943508222875e-38)
+            u = tl.maximum(_uniform(seed, start, BLOCK), 1.1754943508222875e-38)
             x = tl.where(x >= threshold, x - tl.log(-tl.log(u)), -float("inf"))
         block_best = tl.max(x, axis=0)
         block_index = tl.argmax(x, axis=0).to(tl.int64) + start
         take = block_best > best  # strict: the first of equal maxima wins
         best_index = tl.where(take, block_index, best_index)
         best = tl.where(take, block_best, best)
-    tl.store(out_ptr + row, best_index)
-    tl.store(threshold_ptr + row, threshold)
+    # Larger value first, then smaller index (as torch.argmax); past-the-end chunks lose.
+    packed = (_order_key(best) << 32) | (0xFFFFFFFF - best_index)
+    tl.atomic_max(best_ptr + row, packed, sem="relaxed")
 
 
 @triton.jit
@@ -202,7 +231,7 @@ def _uniform_kernel(seeds_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     seed = tl.load(seeds_ptr + row)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * vocab + cols, tl.rand(seed, cols), mask=cols < vocab)
+        tl.store(out_ptr + row * vocab + cols, _uniform(seed, start, BLOCK), mask=cols < vocab)
 
 
 def pack_params(seeds: list[int], top_ks: list[int], temperatures: list[float],
@@ -214,14 +243,15 @@ def pack_params(seeds: list[int], top_ks: list[int], temperatures: list[float],
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, scratch: torch.Tensor | None = None,
-           block: int = 1024, probes: int = 8, num_warps: int = 4, return_thresholds: bool = False):
+           block: int = 1024, probes: int = 8, num_warps: int = 4, chunk: int = 8192,
+           return_thresholds: bool = False):
     """logits [B, V] fp32 (unit last stride), params [B, 4] int64 on logits' device ->
     token ids [B] int64 (and, with return_thresholds, each row's smallest kept scaled
     logit [B] fp32: -inf when it keeps every token).
 
     scratch [>= B, N] fp32 (N a power of two, contiguous): where a row's candidate tokens
     are copied when at most N of them (fewer passes over the whole row); a new [B, 4096]
-    one when None.
+    one when None. chunk: tokens per program of the draw (a multiple of block).
     """
     assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1, \
         f"logits must be [B, V] fp32 with unit last stride, got {tuple(logits.shape)} {logits.dtype}"
@@ -230,16 +260,22 @@ def sample(logits: torch.Tensor, params: torch.Tensor, scratch: torch.Tensor | N
         f"params must be [{rows}, 4] contiguous int64, got {tuple(params.shape)} {params.dtype}"
     assert params.device == logits.device, "params must be on logits' device"
     assert vocab < 2 ** 31, "token indices are Philox offsets (int32)"
+    assert block % 4 == 0 and chunk % block == 0, "chunk must be a multiple of block, block of 4"
+    block = min(block, max(16, triton.next_power_of_2(vocab)))  # small vocabularies (tests)
+    chunk = min(chunk, triton.cdiv(vocab, block) * block)
     if scratch is None:
         scratch = torch.empty(rows, 4096, dtype=torch.float32, device=logits.device)
     assert scratch.dim() == 2 and scratch.shape[0] >= rows and scratch.dtype == torch.float32 \
         and scratch.is_contiguous() and scratch.device == logits.device, "scratch must be [>= B, N] contiguous fp32"
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     thresholds = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    best = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, logits.stride(0), params, scratch, out, thresholds, vocab,
-                                SCRATCH=scratch.shape[1], BLOCK=block, PROBES=probes,
-                                num_warps=num_warps)
+        _threshold_kernel[(rows,)](logits, logits.stride(0), params, scratch, thresholds, best, vocab,
+                                   SCRATCH=scratch.shape[1], BLOCK=block, PROBES=probes, num_warps=num_warps)
+        _draw_kernel[(rows, triton.cdiv(vocab, chunk))](logits, logits.stride(0), params, thresholds, best, vocab,
+                                                        CHUNK=chunk, BLOCK=block, num_warps=num_warps)
+    # best = (value key << 32) | (2^32 - 1 - index)
+    out = (0xFFFFFFFF - (best & 0xFFFFFFFF)) if rows else best
     return (out, thresholds) if return_thresholds else out
 
 

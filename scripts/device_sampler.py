@@ -89,14 +89,16 @@ def main() -> None:
             params = triton_sampler.pack_params([opt.seed + d for d in draws], [min(opt.top_k or vocab, vocab)] * args.batch,
                                                 [opt.temperature] * args.batch, [opt.top_p] * args.batch).to(dev)
             want = triton_sampler.sample(rows, params)
-            for block, probes, warps, width in [(1024, 8, 4, 4096), (512, 8, 4, 4096), (1024, 16, 8, 4096),
-                                                (2048, 8, 8, 4096), (1024, 8, 4, 16384), (1024, 8, 4, 1024)]:
+            for block, probes, warps, width, chunk in [(1024, 8, 4, 4096, 8192), (1024, 8, 4, 4096, 4096),
+                                                       (1024, 8, 4, 4096, 16384), (2048, 8, 8, 4096, 8192),
+                                                       (512, 8, 4, 4096, 8192), (1024, 8, 4, 16384, 8192)]:
                 scratch = torch.empty(args.batch, width, device=dev)
-                got = triton_sampler.sample(rows, params, scratch=scratch, block=block, probes=probes, num_warps=warps)
-                ms = gpu_ms(lambda: triton_sampler.sample(rows, params, scratch=scratch, block=block, probes=probes,
-                                                          num_warps=warps))
+                config = dict(scratch=scratch, block=block, probes=probes, num_warps=warps, chunk=chunk)
+                got = triton_sampler.sample(rows, params, **config)
+                ms = gpu_ms(lambda: triton_sampler.sample(rows, params, **config))
                 print(f"sweep {label:28s} {kind:22s} block {block:5d} probes {probes:2d} warps {warps:2d} "
-                      f"scratch {width:5d}: {ms:7.3f} ms  same tokens: {bool(torch.equal(got, want))}", flush=True)
+                      f"scratch {width:5d} chunk {chunk:5d}: {ms:7.3f} ms  same tokens: {bool(torch.equal(got, want))}",
+                      flush=True)
 
 if __name__ == "__main__":
     main()

@@ -69,16 +69,20 @@ def _expected(logits, temps, ks, ps, seeds):
     return token, kept
 
 
-@pytest.mark.parametrize("vocab,scratch_width", [(37, 16), (1000, 64), (1000, 1024)]
-                         + ([(128256, 4096), (128256, 64)] if CUDA else []))
-def test_kernel_keeps_the_reference_tokens_and_draws_the_reference_token(vocab, scratch_width):
-    """Rows whose candidates fit the scratch and rows that search their whole row."""
+@pytest.mark.parametrize("vocab,scratch_width,block,chunk", [(37, 16, 16, 16), (1000, 64, 64, 128), (1000, 1024, 1024, 8192)]
+                         + ([(128256, 4096, 1024, 8192), (128256, 64, 1024, 2048)] if CUDA else []))
+def test_kernel_keeps_the_reference_tokens_and_draws_the_reference_token(vocab, scratch_width, block, chunk):
+    """Rows whose candidates fit the scratch and rows that search their whole row; rows
+    drawn by one program and by several (whose results meet in an atomic max)."""
     rng = random.Random()
     logits, temps, ks, ps, seeds = _random_rows(rng, vocab)
     rows = logits.shape[0]
+    assert temps[0] == 0.0  # a greedy row whose max sits in several chunks: the first one wins
+    logits[0, [vocab - 1, vocab // 2, 3]] = logits[0].max() + 1
     params = triton_sampler.pack_params(seeds, ks, temps, ps).to(DEVICE)
     scratch = torch.empty(rows, scratch_width, device=DEVICE)
-    token, thresholds = triton_sampler.sample(logits, params, scratch=scratch, return_thresholds=True)
+    token, thresholds = triton_sampler.sample(logits, params, scratch=scratch, block=block, chunk=chunk,
+                                              return_thresholds=True)
     want_token, want_kept = _expected(logits, temps, ks, ps, seeds)
     t = torch.tensor([x or 1.0 for x in temps], device=DEVICE)
     got_kept = logits / t[:, None] >= thresholds[:, None]
