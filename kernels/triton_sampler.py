@@ -53,11 +53,17 @@ def _key_value(key):
 
 
 @triton.jit
+def _raw_block(row_ptr, start, length, BLOCK: tl.constexpr):
+    """Values start .. start+BLOCK-1 of a row; -inf past its length."""
+    cols = start + tl.arange(0, BLOCK)
+    return tl.load(row_ptr + cols, mask=cols < length, other=-float("inf"))
+
+
+@triton.jit
 def _scaled_block(row_ptr, start, length, divisor, BLOCK: tl.constexpr):
     cols = start + tl.arange(0, BLOCK)
     mask = cols < length
-    x = tl.load(row_ptr + cols, mask=mask, other=-float("inf"))
-    return tl.math.div_rn(x, divisor), cols, mask
+    return tl.math.div_rn(_raw_block(row_ptr, start, length, BLOCK), divisor), cols, mask
 
 
 @triton.jit
@@ -84,8 +90,12 @@ def _search(src_ptr, length, divisor, lo, hi, count_lo, row_max, target, stop_co
         probe_values = _key_value(probes)  # compare floats: the order is the keys' order
         counts = tl.zeros((BLOCK, PROBES), dtype=tl.float32)
         masses = tl.zeros((BLOCK, PROBES), dtype=tl.float32)
+        # One program reads a whole row, so the next block's load is issued before this
+        # block is counted: otherwise each pass waits out a memory latency per block.
+        ahead = _raw_block(src_ptr, 0, length, BLOCK)
         for start in range(0, length, BLOCK):
-            x, cols, mask = _scaled_block(src_ptr, start, length, divisor, BLOCK)
+            x = tl.math.div_rn(ahead, divisor)
+            ahead = _raw_block(src_ptr, start + BLOCK, length, BLOCK)
             above = x[:, None] >= probe_values[None, :]  # false past the end (x = -inf)
             counts += above.to(tl.float32)
             if USE_MASS:
@@ -151,8 +161,11 @@ def _threshold_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, threshold
         row_max = -float("inf")
         row_min = float("inf")
         total = 0.0
+        ahead = _raw_block(row_ptr, 0, vocab, BLOCK)
         for start in range(0, vocab, BLOCK):
-            x, cols, mask = _scaled_block(row_ptr, start, vocab, divisor, BLOCK)
+            x = tl.math.div_rn(ahead, divisor)
+            mask = start + tl.arange(0, BLOCK) < vocab
+            ahead = _raw_block(row_ptr, start + BLOCK, vocab, BLOCK)  # in flight meanwhile
             new_max = tl.maximum(row_max, tl.max(x, axis=0))
             total = total * tl.exp2((row_max - new_max) * 1.4426950408889634) + tl.sum(
                 tl.exp2((x - new_max) * 1.4426950408889634), axis=0)

@@ -92,7 +92,7 @@ def draw_seed(seed: int, draw: int) -> int:
 
 
 class Sampler:
-    """Token choice for a batch. kernel "triton": one Triton launch for the whole batch
+    """Token choice for a batch. kernel "triton": two Triton launches for the whole batch
     (kernels/triton_sampler.py, CUDA); "torch": PyTorch ops on any device, where each
     sampled row draws its u from a torch.Generator seeded with draw_seed. Both draw from
     the same filtered distribution; their random streams differ."""
