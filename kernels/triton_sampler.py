@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _search(src_ptr, length, divisor, lo, hi, count_lo, row_max, target, stop_co
             above = x[:, None] >= probe_values[None, :]  # false past the end (x = -inf)
             counts += above.to(tl.float32)
             if USE_MASS:
-                masses += tl.where(above, tl.exp2((x - row_max) * 1.4426950408889634)[:, None], 0.0)
+                masses += tl.where(above, tl.exp2((x - row_max) * LOG2E)[:, None], 0.0)
         count = tl.sum(counts, axis=0)
         if USE_MASS:
             holds = tl.sum(masses, axis=0) >= target
@@ -167,8 +167,8 @@ def _threshold_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, threshold
             mask = start + tl.arange(0, BLOCK) < vocab
             ahead = _raw_block(row_ptr, start + BLOCK, vocab, BLOCK)  # in flight meanwhile
             new_max = tl.maximum(row_max, tl.max(x, axis=0))
-            total = total * tl.exp2((row_max - new_max) * 1.4426950408889634) + tl.sum(
-                tl.exp2((x - new_max) * 1.4426950408889634), axis=0)
+            total = total * tl.exp2((row_max - new_max) * LOG2E) + tl.sum(
+                tl.exp2((x - new_max) * LOG2E), axis=0)
             row_max = new_max
             row_min = tl.minimum(row_min, tl.min(tl.where(mask, x, float("inf")), axis=0))
         lo = _order_key(row_min)
@@ -186,11 +186,11 @@ def _threshold_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, threshold
             if in_scratch != 0:
                 for start in range(0, num_scratch, BLOCK):
                     x, cols, mask = _scaled_block(scratch_row, start, num_scratch, 1.0, BLOCK)
-                    total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * 1.4426950408889634), 0.0))
+                    total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * LOG2E), 0.0))
             else:
                 for start in range(0, vocab, BLOCK):
                     x, cols, mask = _scaled_block(row_ptr, start, vocab, divisor, BLOCK)
-                    total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * 1.4426950408889634), 0.0))
+                    total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * LOG2E), 0.0))
         if top_p < 1.0:
             lo, count_lo, in_scratch, num_scratch = _settle(
                 row_ptr, vocab, divisor, scratch_row, lo, hi, count_lo, in_scratch, num_scratch, row_max,
