@@ -5,7 +5,7 @@ the tokens at or above a per-row threshold and drawn by the Gumbel-max trick:
 argmax(log p + g) with g = -log(-log u) is an exact draw from p. A row's u comes from a
 random stream keyed by its request's seed and the index of the token being drawn
 (`draw_seed`), so its output depends only on its seed and its logits, never on which
-other rows share the batch, nor on preemption. On CUDA one Triton kernel does it all
+other rows share the batch, nor on preemption. On CUDA a Triton kernel pair does it all
 (kernels/triton_sampler.py); the PyTorch path here is the reference and the CPU's.
 """
 
