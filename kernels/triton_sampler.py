@@ -126,6 +126,16 @@ def _copy_out(row_ptr, vocab, divisor, scratch_row, lo, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _mass_from(src_ptr, length, divisor, threshold, row_max, BLOCK: tl.constexpr):
+    """sum(exp(x - row_max)) over the values x >= threshold at src_ptr (divided by divisor)."""
+    total = tl.zeros((), tl.float32)
+    for start in range(0, length, BLOCK):
+        x, cols, mask = _scaled_block(src_ptr, start, length, divisor, BLOCK)
+        total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * LOG2E), 0.0))
+    return total
+
+
+@triton.jit
 def _settle(row_ptr, vocab, divisor, scratch_row, lo, hi, count_lo, in_scratch, num_scratch, row_max, target,
             SCRATCH: tl.constexpr, USE_MASS: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
     """_search to the end: over the whole row until at most SCRATCH values remain, then
@@ -182,15 +192,10 @@ def _threshold_kernel(logits_ptr, stride_row, params_ptr, scratch_ptr, threshold
                 top_k.to(tl.float32), SCRATCH=SCRATCH, USE_MASS=False, BLOCK=BLOCK, PROBES=PROBES)
             threshold = _key_value(lo)
             # top-p is taken within the top-k set: its mass is the normaliser
-            total = tl.zeros((), tl.float32)
             if in_scratch != 0:
-                for start in range(0, num_scratch, BLOCK):
-                    x, cols, mask = _scaled_block(scratch_row, start, num_scratch, 1.0, BLOCK)
-                    total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * LOG2E), 0.0))
+                total = _mass_from(scratch_row, num_scratch, 1.0, threshold, row_max, BLOCK=BLOCK)
             else:
-                for start in range(0, vocab, BLOCK):
-                    x, cols, mask = _scaled_block(row_ptr, start, vocab, divisor, BLOCK)
-                    total += tl.sum(tl.where(x >= threshold, tl.exp2((x - row_max) * LOG2E), 0.0))
+                total = _mass_from(row_ptr, vocab, divisor, threshold, row_max, BLOCK=BLOCK)
         if top_p < 1.0:
             lo, count_lo, in_scratch, num_scratch = _settle(
                 row_ptr, vocab, divisor, scratch_row, lo, hi, count_lo, in_scratch, num_scratch, row_max,

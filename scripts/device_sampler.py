@@ -5,7 +5,8 @@ and top-p/top-k rows, with the Triton kernel and with the PyTorch path (GPU time
 of CUDA-event timings; host time: queueing the calls), the full sort the PyTorch top-p
 path pays, and checks with torch.cuda.set_sync_debug_mode("error") that no path reads
 back to the host (a read-back would stall the engine's overlapped steps). --sweep also
-times the kernel's block size, probes per pass and warps.
+times the kernels' block size, probes per pass, warps, scratch width and draw chunk on
+three kinds of logits, checking each configuration's tokens against the default's.
 Usage: python scripts/device_sampler.py [--batch 256] [--vocab 128256] [--sweep]
 """
 
@@ -99,6 +100,7 @@ def main() -> None:
                 print(f"sweep {label:28s} {kind:22s} block {block:5d} probes {probes:2d} warps {warps:2d} "
                       f"scratch {width:5d} chunk {chunk:5d}: {ms:7.3f} ms  same tokens: {bool(torch.equal(got, want))}",
                       flush=True)
+
 
 if __name__ == "__main__":
     main()
