@@ -66,7 +66,9 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2)
     stages; two programs share an SM. On an H200 (docs/kernels.md), with K/V fetched by
     TMA, that was as fast as 128-row tiles with 8 warps at 64 queries and 4-12% faster
     at 256. tma=None: TMA only inside CUDA-graph capture, where building the descriptors
-    costs no host time on every step. Prefill-sized (PREFILL_ROWS rows or more): 128 x 128
+    costs no host time on every step. gluon=None: there, on Hopper, the same tile runs as
+    kernels/gluon_system_attention.py (the softmax beside the tensor cores; 0-6% faster on
+    the H200, docs/kernels.md). Prefill-sized (PREFILL_ROWS rows or more): 128 x 128
     tiles, 8 warps, 3 stages, TMA even eagerly (a descriptor is cheap next to a kernel of
     milliseconds). On the H200, 8,192 prefill tokens against an 8,192-token prefix took
     2.00 ms instead of 2.27 ms (llama2-7b heads; scripts/device_prefill_sweep.py). That
@@ -76,7 +78,7 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2)
         if rows >= PREFILL_ROWS:
             cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1, tma=True)
             return fit_smem(cfg, head_dim, elem, smem_per_block(device))
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None, gluon=None)
     else:  # the interpreter: small tiles keep the split and tail paths busy
         block_m = 64 if rows > 32 else 32 if rows > 16 else 16
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2)

@@ -184,6 +184,17 @@ def check_prefix(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> N
     assert q.device == k_sys.device == v_sys.device, "q and the prefix must be on one device"
 
 
+GLUON_TRITON_VERSIONS = ("3.6.",)  # Gluon is experimental: used only where its API was tested
+
+
+def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> bool:
+    """Whether kernels/gluon_system_attention.py can take this problem (Hopper, 16-bit, D 64/128)."""
+    if not (q.is_cuda and triton.__version__.startswith(GLUON_TRITON_VERSIONS)):
+        return False
+    from kernels.gluon_system_attention import gluon_ok
+    return gluon_ok(q, k_sys) and gluon_ok(q, v_sys)
+
+
 def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                           o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None = None,
                           num_splits: int | None = None, config: dict | None = None) -> None:
@@ -207,6 +218,14 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         return
     cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size()))
     cfg.pop("per_sm", None)
+    gluon = cfg.pop("gluon", False)
+    if gluon is None:  # as tma=None: inside CUDA-graph capture, where descriptors cost no host time
+        gluon = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if gluon and gluon_usable(q, k_sys, v_sys):
+        from kernels.gluon_system_attention import gluon_system_attention_into
+        gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
+                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"])
+        return
     seq_len = k_sys.shape[0]
     tma = cfg.pop("tma", False)
     if tma is None:

@@ -3,14 +3,14 @@
 
 Measures in one run: copy bandwidth (read + write bytes) and bf16 matmul rate, then for
 llama2-7b heads (Hq=Hkv=32, D=128) and llama3-8b heads (Hq=32, Hkv=8, D=128), batch 64
-and 256, prefix 8192, 128 own keys per request (decode, bf16, 16-token pages):
+and 256, prefix 8192 (--prefixes), 128 own keys per request (decode, bf16, 16-token pages):
 (a) the system-attention kernel alone, (b) whole relay attention, (c) the no-relay paged
 baseline, (d) per-request cuDNN SDPA on contiguous KV, and (e) the baseline at batch 64
 with 8192 own keys each against copy bandwidth. Every kernel is first checked against
 kernels/reference.py in fp32. Writes kernels.json and kernels.md to $OUT (else ./out)
 and prints the table last. --sweep also times alternative tile configs.
 
-Usage: python scripts/device_kernels.py [--sweep]
+Usage: python scripts/device_kernels.py [--sweep] [--sys-only] [--prefixes 8192 2048]
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
-SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=1 if m == 128 else 2, tma=t)
-             for m, n, w, st, t in [(128, 64, 8, 3, False), (64, 64, 4, 3, False), (128, 64, 8, 3, True),
-                                    (64, 64, 4, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True),
-                                    (64, 128, 4, 2, True), (128, 128, 8, 3, True)]]  # the last: prefill's best
+SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, tma=True, gluon=g)
+             for m, n, w, st, ps, g in [(64, 64, 4, 3, 2, False), (128, 128, 8, 3, 1, False),  # Triton
+                                        (64, 64, 4, 3, 2, True), (64, 64, 4, 2, 3, True),  # Gluon (Hopper)
+                                        (64, 128, 4, 2, 1, True), (128, 64, 8, 3, 1, True)]]
 PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=hf)
                for n, w, s, hf in [(64, 4, 2, False), (64, 4, 2, True), (32, 4, 3, True), (64, 2, 3, True),
                                    (32, 2, 2, True), (128, 4, 1, True)]]
@@ -238,6 +238,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--sys-only", action="store_true", help="only system-kernel configs and relay totals")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[8192], help="shared prefix lengths")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     dev = torch.device("cuda")
@@ -250,13 +251,14 @@ def main() -> None:
     print(f"ceilings: {ceil}", flush=True)
     errors = []
     for name, (hq, hkv, d) in HEADS.items():
-        for batch in (64, 256):
-            try:
-                relay_case(name, hq, hkv, d, batch, ceil, dev, args.sweep, sys_only=args.sys_only)
-            except Exception:  # keep the other cases' numbers
-                errors.append(traceback.format_exc())
-                print(errors[-1], flush=True)
-            torch.cuda.empty_cache()
+        for prefix in args.prefixes:
+            for batch in (64, 256):
+                try:
+                    relay_case(name, hq, hkv, d, batch, ceil, dev, args.sweep, S=prefix, sys_only=args.sys_only)
+                except Exception:  # keep the other cases' numbers
+                    errors.append(traceback.format_exc())
+                    print(errors[-1], flush=True)
+                torch.cuda.empty_cache()
         try:
             if not args.sys_only:
                 bandwidth_case(name, hq, hkv, d, ceil, dev, args.sweep)

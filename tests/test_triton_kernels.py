@@ -251,6 +251,71 @@ def test_gpu_system_attention_large(dtype):
     assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", [(64, 64, 3), (64, 128, 2), (128, 128, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_system_attention(dtype, tile, head_dim):
+    """The Hopper Gluon kernel: random GQA shapes, ragged and empty chunks, scattered rows."""
+    from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
+    probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
+    if not gluon_usable(probe, probe, probe):
+        pytest.skip("the Gluon kernel needs sm_90 and the Triton versions it was tested with")
+    rng = random.Random()
+    block_m, block_n, stages = tile
+    for _ in range(3):
+        hkv, group = rng.choice([1, 2, 8]), rng.choice([1, 3, 4])
+        n, s = rng.randint(1, 300), rng.choice([1, 63, 64, 65, rng.randint(2, 5000)])
+        splits = rng.choice([1, 3, 8, 64])
+        q = torch.randn(n, hkv * group, head_dim, device="cuda").to(dtype)
+        k, v = (torch.randn(s, hkv, head_dim, device="cuda").to(dtype) for _ in range(2))
+        rows = torch.tensor(sorted(rng.sample(range(n), rng.randint(1, n))), device="cuda")
+        o_part = torch.full((splits, n, hkv * group, head_dim), float("nan"), device="cuda")
+        lse_part = torch.full((splits, n, hkv * group), float("nan"), device="cuda")
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=block_m // 16, num_stages=stages, gluon=True)
+        system_attention_into(q, k, v, head_dim ** -0.5, o_part, lse_part, rows, splits, cfg)
+        o, lse = merge_partials(o_part[:, rows], lse_part[:, rows], dtype)
+        want_o, want_lse = ref.system_attention(q[rows].float(), k.float(), v.float(), head_dim ** -0.5)
+        assert rel_err(o, want_o) < TOL[dtype], (hkv, group, n, s, splits)
+        assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+        others = torch.ones(n, dtype=torch.bool, device="cuda")
+        others[rows] = False
+        assert torch.isnan(o_part[:, others]).all(), "rows outside the group were written"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
+    """The default decode config: eager calls run Triton, a captured CUDA graph the Gluon
+    kernel (on Hopper), and both match the reference."""
+    import kernels.gluon_system_attention as gsa
+    from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
+    q = torch.randn(96, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if not gluon_usable(q, k, v):
+        pytest.skip("the Gluon kernel needs sm_90 and the Triton versions it was tested with")
+    calls = []
+    real = gsa.gluon_system_attention_into
+    monkeypatch.setattr(gsa, "gluon_system_attention_into", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    want_o, want_lse = ref.system_attention(q.float(), k.float(), v.float(), 128 ** -0.5)
+    o_part = torch.empty(4, 96, 32, 128, device="cuda")
+    lse_part = torch.empty(4, 96, 32, device="cuda")
+    system_attention_into(q, k, v, 128 ** -0.5, o_part, lse_part, None, 4)
+    assert not calls, "an eager call took the Gluon kernel"
+    eager = merge_partials(o_part, lse_part, q.dtype)[0]
+    o_part.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        system_attention_into(q, k, v, 128 ** -0.5, o_part, lse_part, None, 4)
+    graph.replay()
+    assert calls, "the captured call did not take the Gluon kernel"
+    o, lse = merge_partials(o_part, lse_part, q.dtype)
+    for got in (eager, o):
+        assert rel_err(got, want_o) < TOL[torch.bfloat16]
+    assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+
+
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
     from kernels.triton_plan import split_plan
     dev = torch.device("cpu")  # num_sms: 2 without CUDA, so 16 slots at per_sm=8

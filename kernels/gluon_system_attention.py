@@ -1,0 +1,197 @@
+"""System attention for Hopper in Gluon: the Triton kernel's job with the softmax overlapped.
+
+Same contract as `system_attention_into` in triton_system_attention.py (the [n*G, D]
+query matrix of one KV head against one chunk of the shared prefix, fp32 partials out),
+for bf16/fp16 on sm_90. Plain Triton waits for every wgmma at once except an
+accumulator carried into the next iteration, so a tile's exponentials never run beside
+the tensor cores (docs/kernels.md). Gluon issues and waits for each wgmma explicitly,
+which allows the schedule FlashAttention-3 calls intra-warpgroup pipelining:
+
+    iteration j:  S_j = Q K_j^T (async)   O += P_{j-1} V_{j-1} (async)
+                  wait until only the P V is in flight -> S_j
+                  softmax of S_j (max, exp2, sums)        <- tensor cores busy with P V
+                  wait for P V; rescale O to the new max
+
+K and V tiles arrive by TMA into a ring of STAGES slots, each with its own mbarrier; a
+slot is refilled as soon as the wgmma that read it has completed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _mask_tail(s, start, hi, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Scores of keys at or past hi (a chunk's ragged end) -> -inf."""
+    cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    return gl.where(gl.expand_dims(cols < hi, 0), s, float("-inf"))
+
+
+@gluon.jit
+def _load_kv(desc, smem, bars, tile, lo, col, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, pred):
+    """TMA of key tile `tile` (counted from lo) into its ring slot; pred False issues nothing."""
+    slot = tile % STAGES
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [lo + tile * BLOCK_N, col], bars.index(slot), smem.index(slot), pred=pred)
+
+
+@gluon.jit(do_not_specialize=["n_queries", "keys_per_split"])
+def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
+                         n_queries, seq_len, keys_per_split, qk_scale,
+                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                         G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    dtype: gl.constexpr = k_desc.dtype
+    # One warpgroup per 64 rows; S uses a [16, BLOCK_N, 16] instruction, O a [16, D, 16] one.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # Q [BLOCK_M, D] stays in registers as the A operand of every S wgmma, so shared memory
+    # serves only K and V (on the H200 3-4% faster than Q from shared memory at batch 256).
+    r = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+    n = r // G
+    rmask = n < n_queries
+    if HAS_ROWS:  # a prefix group: its queries are scattered rows of the packed batch
+        row = gl.load(rows_ptr + n, mask=rmask, other=0)
+    else:
+        row = n
+    head = h * G + r % G
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(q_ptr + gl.expand_dims(row * stride_qn + head * stride_qh, 1) + gl.expand_dims(offs_d, 0),
+                mask=gl.expand_dims(rmask, 1), other=0.0)
+    q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    lo = split * keys_per_split
+    hi = gl.minimum(lo + keys_per_split, seq_len)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    col = h * D
+    for i in gl.static_range(STAGES):
+        _load_kv(k_desc, k_smem, k_bars, i, lo, col, STAGES, BLOCK_N, i < num_tiles)
+        _load_kv(v_desc, v_smem, v_bars, i, lo, col, STAGES, BLOCK_N, i < num_tiles)
+
+    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    if num_tiles > 0:
+        # Tile 0: scores, softmax; its P V is issued in the first iteration.
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        _load_kv(k_desc, k_smem, k_bars, STAGES, lo, col, STAGES, BLOCK_N, STAGES < num_tiles)
+        if BLOCK_N > hi - lo:
+            s = _mask_tail(s, lo, hi, BLOCK_N, s_layout)
+        m_i = gl.max(s, 1) * qk_scale
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+        l_i = gl.sum(p, 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, num_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+            acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])  # S_j done; P_{j-1} V_{j-1} may still run
+            _load_kv(k_desc, k_smem, k_bars, j + STAGES, lo, col, STAGES, BLOCK_N, j + STAGES < num_tiles)
+            start = lo + j * BLOCK_N
+            if start + BLOCK_N > hi:
+                s = _mask_tail(s, start, hi, BLOCK_N, s_layout)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+            _load_kv(v_desc, v_smem, v_bars, j - 1 + STAGES, lo, col, STAGES, BLOCK_N, j - 1 + STAGES < num_tiles)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (num_tiles - 1) % STAGES
+        mbarrier.wait(v_bars.index(last), ((num_tiles - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    # o = acc / l and lse (natural log); a chunk without keys gives (0, -inf).
+    l_o = gl.convert_layout(l_i, row_o)
+    empty = l_o == 0.0
+    o = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
+    r_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    n_o = r_o // G
+    omask = n_o < n_queries
+    if HAS_ROWS:
+        row_out = gl.load(rows_ptr + n_o, mask=omask, other=0)
+    else:
+        row_out = n_o
+    o_off = split * stride_os + row_out * stride_on + (h * G + r_o % G) * stride_oh
+    offs_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(offs_do, 0), o.to(o_ptr.dtype.element_ty),
+             mask=gl.expand_dims(omask, 1))
+    lse_o = gl.convert_layout(lse, row_o)
+    gl.store(lse_ptr + split * stride_ls + row_out * stride_ln + h * G + r_o % G, lse_o, mask=omask)
+
+
+def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Hopper (sm_90), 16-bit inputs, head dim 64 or 128, and a [S, Hkv*D] view TMA can address."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and kv.is_contiguous()
+            and kv.data_ptr() % 16 == 0)
+
+
+def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
+                                o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
+                                num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3) -> None:
+    """q [N, Hq, D]; k_sys/v_sys [S, Hkv, D] contiguous; o_part [splits, N, Hq, D]; lse_part [splits, N, Hq].
+
+    The caller (system_attention_into) has checked shapes; this checks what only the Gluon
+    kernel needs.
+    """
+    assert gluon_ok(q, k_sys) and gluon_ok(q, v_sys), "needs sm_90, 16-bit, head dim 64/128, TMA-addressable KV"
+    assert block_m % 64 == 0, "one warpgroup per 64 rows"
+    seq_len, hkv, d = k_sys.shape
+    group = q.shape[1] // hkv
+    n_q = q.shape[0] if rows is None else rows.shape[0]
+    if n_q == 0:
+        return
+    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], elem)
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(seq_len, hkv * d), [block_n, d], layout)
+                      for t in (k_sys, v_sys))
+    per = triton.cdiv(triton.cdiv(max(seq_len, 1), num_splits), block_n) * block_n
+    grid = (triton.cdiv(n_q * group, block_m), hkv, num_splits)
+    _gluon_system_kernel[grid](
+        q, k_desc, v_desc, rows if rows is not None else q, o_part, lse_part,
+        n_q, seq_len, per, scale * LOG2E,
+        q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, HAS_ROWS=rows is not None,
+        num_warps=block_m // 16)
