@@ -47,9 +47,10 @@ class TritonLayerOps:
 
     def __init__(self) -> None:
         from kernels.triton_rms_norm import add_rms_norm
-        from kernels.triton_rope import rope
+        from kernels.triton_rope import rope, rope_into_cache
         from kernels.triton_silu_mul import silu_mul
         self._add_rms_norm, self.rope, self.silu_mul = add_rms_norm, rope, silu_mul
+        self.rope_into_cache = rope_into_cache
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
         return self._add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -89,12 +90,26 @@ class PagedAttention:
             self._ops = reference
 
     def attend_fn(self, meta: AttentionMetadata) -> Callable:
+        """models.llama.AttendFn for this step's metadata; it takes rope=(cos, sin, layer_ops).
+
+        Given rope, q and k arrive unrotated and the layer ops' RoPE is applied here: with
+        the Triton impl and TritonLayerOps in one launch that also stores k and v in the
+        cache (the same values as rope, then write_kv)."""
         ops, scale = self._ops, self.scale
         fn = ops.relay_attention if self.mode == "relay" else ops.prefix_paged_attention
+        fuse = self.impl == "triton"
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:
             k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            if rope is not None and fuse and isinstance(rope[2], TritonLayerOps):
+                cos, sin, layer_ops = rope
+                q = layer_ops.rope_into_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+            else:
+                if rope is not None:
+                    cos, sin, layer_ops = rope
+                    q, k = layer_ops.rope(q, k, cos, sin)
+                ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             return fn(q, k_cache, v_cache, meta, self.prefix_layers[layer], scale)
 
+        attend.takes_rope = True
         return attend

@@ -16,8 +16,11 @@ from torch import nn
 
 from models.config import ModelConfig
 
-# attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> o [N, Hq, D]
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> o [N, Hq, D], q and k
+# after RoPE. An attend with the attribute takes_rope = True is called with unrotated q, k
+# and rope=(cos, sin, ops) instead, and applies ops.rope itself (so that a back end can
+# rotate k straight into its cache).
+AttendFn = Callable[..., torch.Tensor]
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -163,8 +166,11 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope(q, k, cos, sin)
-        o = attend(layer_idx, q, k, v)
+        if getattr(attend, "takes_rope", False):
+            o = attend(layer_idx, q, k, v, rope=(cos, sin, ops))
+        else:
+            q, k = ops.rope(q, k, cos, sin)
+            o = attend(layer_idx, q, k, v)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 

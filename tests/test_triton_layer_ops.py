@@ -89,6 +89,61 @@ def test_rope_equals_eager(dtype, heads, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_into_cache_equals_rope_then_write_kv(dtype, rng):
+    """The fused launch stores exactly what rope + write_kv store, and nothing else."""
+    from kernels.triton_ops import write_kv
+    n, d, kv = rng.randint(1, 9), rng.choice([16, 64]), rng.choice([1, 2, 3])
+    hq = kv * rng.choice([1, 4])
+    qkv = torch.randn(n, (hq + 2 * kv) * d, device=DEVICE).to(dtype)
+    q, k, v = qkv.split([hq * d, kv * d, kv * d], dim=-1)
+    q, k, v = q.view(n, hq, d), k.view(n, kv, d), v.view(n, kv, d)
+    pos = torch.tensor([rng.randint(0, 5000) for _ in range(n)], device=DEVICE)
+    freqs = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    num_blocks, block_size = rng.randint(n // 4 + 1, 6), 4
+    k_cache = torch.randn(num_blocks, block_size, kv, d, device=DEVICE).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.tensor(rng.sample(range(num_blocks * block_size), n), device=DEVICE)
+    ops = TritonLayerOps()
+    want_q, want_k = ops.rope(q, k, cos, sin)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    write_kv(want_kc, want_vc, want_k, v, slots)
+    got_q = ops.rope_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+
+
+def test_engine_step_with_fused_rope_equals_the_unfused_step():
+    """Through the model: the Triton back end rotating k into its cache gives the logits of
+    rope, then write_kv, then attention (the same kernels, so bit for bit)."""
+    from models.registry import load_model
+    from relaycli.compile import prefix_from_ids
+    from relaycli.config import EngineConfig
+    from relaycli.engine.engine import Engine, TokenRequest
+    from relaycli.engine.sequence import SamplingOptions
+    gen = random.Random()
+    lm = load_model("dummy:tiny", dtype="float32", device=DEVICE, seed=gen.randrange(1000))
+    ids = [gen.randrange(lm.config.vocab_size) for _ in range(gen.randint(1, 40))]
+    engine = Engine(lm, [prefix_from_ids(lm, ids)], EngineConfig(max_num_seqs=4, kv_cache_gb=0.01,
+                                                                 attention_impl="triton"))
+    for i in range(3):
+        own = [gen.randrange(lm.config.vocab_size) for _ in range(gen.randint(1, 20))]
+        engine._admit(TokenRequest(i, str(i), ids + own, SamplingOptions(max_tokens=8), prefix_slot=0))
+    runner = engine.runner
+    for step in range(2):  # a prefill step, then a decode step
+        seqs, is_prefill = engine.scheduler.schedule()
+        assert is_prefill == (step == 0)
+        input_ids, positions, meta, last_rows = runner.prepare(seqs, is_prefill)
+        attend = runner.attention.attend_fn(meta)
+        assert attend.takes_rope
+        fused = lm.model(input_ids, positions, attend, runner.layer_ops)  # first: it must store k, v itself
+        unfused = lm.model(input_ids, positions, lambda *a: attend(*a), runner.layer_ops)  # no takes_rope
+        assert torch.equal(fused, unfused)
+        runner.run(seqs, is_prefill)  # the real step: caches, token, bookkeeping
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_equals_eager(dtype, rng):
     n, width = rng.randint(1, 6), rng.choice([40, 128, 1536])
     gate_up = (torch.randn(n, 2 * width, device=DEVICE) * 4).to(dtype)
