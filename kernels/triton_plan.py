@@ -67,7 +67,7 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2)
     TMA, that was as fast as 128-row tiles with 8 warps at 64 queries and 4-12% faster
     at 256. tma=None: TMA only inside CUDA-graph capture, where building the descriptors
     costs no host time on every step. gluon=None: there, on Hopper, the same tile runs as
-    kernels/gluon_system_attention.py (the softmax beside the tensor cores; 0-6% faster on
+    kernels/gluon_system_attention.py (the softmax beside the tensor cores; up to 6% faster on
     the H200, docs/kernels.md). Prefill-sized (PREFILL_ROWS rows or more): 128 x 128
     tiles, 8 warps, 3 stages, TMA even eagerly (a descriptor is cheap next to a kernel of
     milliseconds). On the H200, 8,192 prefill tokens against an 8,192-token prefix took
