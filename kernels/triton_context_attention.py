@@ -55,30 +55,20 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
     return acc, m_i, l_i
 
 
-# Runtime counts that change from step to step are not specialised: Triton would compile
-# another variant for a value of 1 or a multiple of 16, inside a running job.
-@triton.jit(do_not_specialize=["group_id", "prefix_len", "keys_per_split", "split_base", "sys_splits"])
-def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
-                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
-                  group_id, prefix_len, keys_per_split, split_base, num_kv_heads, sys_splits,
-                  qk_scale,
-                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_ps, stride_ph, stride_bt,
-                  stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                  stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
-                  HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  IEEE: tl.constexpr):
-    if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
-        pid_hs = tl.program_id(0)
-        pid_m = tl.program_id(2)
-    else:  # neighbouring programs are other sequences on the same head: a shared prefix hits L2
-        pid_hs = tl.program_id(2)
-        pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    h = pid_hs % num_kv_heads
-    split = pid_hs // num_kv_heads
+@triton.jit
+def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
+                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
+                   group_id, prefix_len, keys_per_split, split_base, sys_splits,
+                   qk_scale,
+                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   stride_ps, stride_ph, stride_bt,
+                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                   stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
+                   HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Row tile pid_m of sequence seq on KV head h, key chunk `split` (the kernel below, or a relay grid)."""
     if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
         if tl.load(grp_ptr + seq) != group_id:
             return
@@ -146,6 +136,39 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
     if WRITE_LSE:
         tl.store(lse_ptr + slot * stride_ls + row * stride_ln + head, lse, mask=rmask)
+
+
+# Runtime counts that change from step to step are not specialised: Triton would compile
+# another variant for a value of 1 or a multiple of 16, inside a running job.
+@triton.jit(do_not_specialize=["group_id", "prefix_len", "keys_per_split", "split_base", "sys_splits"])
+def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
+                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
+                  group_id, prefix_len, keys_per_split, split_base, num_kv_heads, sys_splits,
+                  qk_scale,
+                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_ps, stride_ph, stride_bt,
+                  stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                  stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
+                  HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                  IEEE: tl.constexpr):
+    if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
+        pid_hs = tl.program_id(0)
+        pid_m = tl.program_id(2)
+    else:  # neighbouring programs are other sequences on the same head: a shared prefix hits L2
+        pid_hs = tl.program_id(2)
+        pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    h = pid_hs % num_kv_heads
+    split = pid_hs // num_kv_heads
+    _paged_program(pid_m, seq, h, split,
+                   q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr, cu_ptr, ctx_ptr,
+                   bt_ptr, grp_ptr, group_id, prefix_len, keys_per_split, split_base, sys_splits,
+                   qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                   stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
+                   stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
+                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE)
 
 
 def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -105,16 +105,14 @@ def _merge_pair(o_a, lse_a, o_b, lse_b):
     return num / safe[:, None], tl.where(den == 0.0, float("-inf"), m + tl.log(safe))
 
 
-@triton.jit(do_not_specialize=["n_queries", "keys_per_split"])  # per-step counts: no variant per value
-def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
-                   n_queries, seq_len, keys_per_split, qk_scale,
-                   stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
+@triton.jit
+def _system_program(pid_m, h, split, q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
+                    n_queries, seq_len, keys_per_split, qk_scale,
+                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    """Row tile pid_m of KV head h against chunk `split` of the prefix (the kernel below, or a relay grid)."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = r // G
     head = h * G + r % G
@@ -147,6 +145,20 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
     o_off = split * stride_os + row * stride_on + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(lse_ptr + split * stride_ls + row * stride_ln + head, lse, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["n_queries", "keys_per_split"])  # per-step counts: no variant per value
+def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
+                   n_queries, seq_len, keys_per_split, qk_scale,
+                   stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    _system_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, rows_ptr,
+                    o_ptr, lse_ptr, n_queries, seq_len, keys_per_split, qk_scale,
+                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                    G, D, BLOCK_M, BLOCK_N, HAS_ROWS, IEEE, TMA)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
