@@ -17,6 +17,7 @@ from kernels.triton_context_attention import check_paged, context_splits, paged_
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
 from kernels.triton_plan import split_plan, system_config
+from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
 __all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv"]
@@ -32,7 +33,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float, *,
                          sys_splits: int | None = None, ctx_splits: int | None = None,
                          sys_config: dict | None = None, ctx_config: dict | None = None,
-                         overlap: bool | None = None, system_side: bool = False) -> torch.Tensor:
+                         overlap: bool | None = None, system_side: bool = False,
+                         one_grid: bool = False, grid_config: dict | None = None) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -44,6 +46,10 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     scheduler places its programs ahead of the context kernel's many small ones. On the
     H200 neither order overlaps the two kernels (scripts/device_context_sweep.py
     --overlap; docs/benchmarks.md), so the engine keeps the default.
+    one_grid: a decode step with one prefix group and an unsplit context runs both roles
+    in one launch (kernels/triton_relay_grid.py, grid_config its tiles), then the merge
+    kernel; other steps take the paths above, which compute the same function. On the
+    H200 it was slower than context first in every config tried (docs/benchmarks.md).
     """
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
@@ -66,6 +72,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config)
         return out[0]
+    if one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1:
+        return _one_grid(q, k_cache, v_cache, meta, groups[0], scale, s_splits, grid_config)
     extra = c_splits if c_splits > 1 or overlap else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
@@ -100,6 +108,18 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     else:
         system_step()
         context_step()
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
+
+
+def _one_grid(q, k_cache, v_cache, meta, group, scale, s_splits, grid_config) -> torch.Tensor:
+    g, k_sys, v_sys = group
+    n, hq, d = q.shape
+    o_part = torch.empty(s_splits + 1, n, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(s_splits + 1, n, hq, dtype=torch.float32, device=q.device)
+    if int(g.query_indices.shape[0]) < n:
+        lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
+    relay_grid_into(q, k_cache, v_cache, meta, k_sys, v_sys, g.query_indices, scale, o_part, lse_part,
+                    config=grid_config)
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 

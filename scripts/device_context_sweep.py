@@ -12,7 +12,9 @@ the system and context kernels share the chip in such a graph: fused (one after 
 other, the merge in the context epilogue), context first on a side stream, or system
 first on a high-priority side stream, with system split counts and pipeline depths
 that leave room on each SM for context programs; each kernel alone gives the serial sum.
-Usage: python scripts/device_context_sweep.py [--graph-path | --overlap] [--models llama3-8b]
+--grid times kernels/triton_relay_grid.py's one launch (both roles interleaved) in its
+configs against the fused and context-first paths.
+Usage: python scripts/device_context_sweep.py [--graph-path | --overlap | --grid] [--models llama3-8b]
        [--batches 256,64] [--system 2048,8192]
 """
 
@@ -53,7 +55,8 @@ def main() -> None:
     ap.add_argument("--models", default="llama2-7b,llama3-8b")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--overlap", action="store_true")
-    ap.add_argument("--system", default="2048", help="shared prefix lengths (--overlap)")
+    ap.add_argument("--system", default="2048", help="shared prefix lengths (--overlap, --grid)")
+    ap.add_argument("--grid", action="store_true", help="--overlap's two baselines against one-grid configs")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -62,13 +65,13 @@ def main() -> None:
     results = []
     gen = torch.Generator(device=dev)
     gen.seed()
-    if args.overlap:
+    if args.overlap or args.grid:
         for name in args.models.split(","):
             for system in map(int, args.system.split(",")):
                 for batch in map(int, args.batches.split(",")):
-                    results += overlap_variants(name, batch, system, gen, ceil)
-        (out_dir / "overlap_sweep.json").write_text(json.dumps(dict(ceilings=ceil, rows=results), indent=1,
-                                                               default=str))
+                    results += overlap_variants(name, batch, system, gen, ceil, args.grid)
+        name = "grid_sweep.json" if args.grid else "overlap_sweep.json"
+        (out_dir / name).write_text(json.dumps(dict(ceilings=ceil, rows=results), indent=1, default=str))
         return
     for name in args.models.split(","):
         hq, hkv, d = HEADS[name]
@@ -150,7 +153,13 @@ def graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil) 
     return rows
 
 
-def overlap_variants(name, batch, system, gen, ceil) -> list[dict]:
+GRID_VARIANTS = [  # kernels/triton_relay_grid.py: tiles, stages, heads a context program takes, placement
+    dict(), dict(CTX_BLOCK_N=64), dict(CTX_BLOCK_N=64, num_stages=3), dict(CTX_HEADS=2),
+    dict(CTX_BLOCK_N=64, CTX_HEADS=8), dict(spread=False), dict(SYS_BLOCK_N=32, CTX_BLOCK_N=64),
+    dict(CTX_BLOCK_N=64, CTX_HEADS=4, num_stages=3)]
+
+
+def overlap_variants(name, batch, system, gen, ceil, grid=False) -> list[dict]:
     """The whole relay decode attention under each way of sharing the chip, and each kernel alone."""
     dev = torch.device("cuda")
     hq, hkv, d = HEADS[name]
@@ -174,6 +183,9 @@ def overlap_variants(name, batch, system, gen, ceil) -> list[dict]:
                 ("system first, 1 split, 2 stages", dict(overlap=True, system_side=True, sys_splits=1,
                                                          sys_config=two_stages)),
                 ("context first, 1 split, 2 stages", dict(overlap=True, sys_splits=1, sys_config=two_stages))]
+    if grid:
+        variants = variants[:2] + [(f"one grid {cfg}", dict(one_grid=True, grid_config=cfg)) for cfg in GRID_VARIANTS]
+        variants.append(("one grid, 1 split", dict(one_grid=True, sys_splits=1)))
     rows = []
     case = f"{name} B={batch} S={system}"
     # each kernel alone, as relay launches it: their sum is what running them in turn costs
@@ -202,7 +214,7 @@ def overlap_variants(name, batch, system, gen, ceil) -> list[dict]:
         err = ((out["o"].double() - want.double()).norm() / want.double().norm()).item()
         rows.append(dict(case=case, variant=label, time_us=t, floor_us=floor_us, pct_floor=100 * floor_us / t,
                          rel_err=err))
-        print(f"{case:26s} {label:34s} {t:8.1f} us floor {floor_us:6.1f} us {100 * floor_us / t:5.1f}% "
+        print(f"{case:26s} {label:60s} {t:8.1f} us floor {floor_us:6.1f} us {100 * floor_us / t:5.1f}% "
               f"err {err:.1e}", flush=True)
     return rows
 
