@@ -64,7 +64,8 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     # Q [BLOCK_M, D] stays in registers as the A operand of every S wgmma, so shared memory
-    # serves only K and V (on the H200 3-4% faster than Q from shared memory at batch 256).
+    # serves only K and V (on the H200 3-4% faster than Q from shared memory at batch 256 and
+    # 8,192 prefix tokens, under 1% at 2,048).
     r = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
     n = r // G
     rmask = n < n_queries
@@ -160,11 +161,11 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
 
 
 def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Hopper (sm_90), 16-bit inputs, head dim 64 or 128, and a [S, Hkv*D] view TMA can address."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    """Hopper (sm_90, not ROCm), 16-bit inputs, head dim 64 or 128, a non-empty [S, Hkv*D] view TMA can address."""
+    if not (q.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and kv.is_contiguous()
-            and kv.data_ptr() % 16 == 0)
+            and kv.shape[0] > 0 and kv.data_ptr() % 16 == 0)
 
 
 def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,

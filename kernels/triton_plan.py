@@ -92,7 +92,7 @@ def smem_per_block(device: torch.device) -> int:
 
 
 def tma_ok(t: torch.Tensor) -> bool:
-    """A host tensor descriptor needs Hopper or newer (or the interpreter), 16-byte alignment."""
-    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+    """A host tensor descriptor needs NVIDIA Hopper or newer (or the interpreter), 16-byte alignment."""
+    if t.is_cuda and (torch.version.hip is not None or torch.cuda.get_device_capability(t.device)[0] < 9):
         return False
     return t.is_contiguous() and t.data_ptr() % 16 == 0

@@ -29,7 +29,8 @@ from kernels.triton_system_attention import LOG2E, _system_program, check_prefix
 
 # spread: interleave the system programs among the context ones (False: they come first);
 # CTX_HEADS: KV heads a context program takes in turn (a divisor of the KV head count)
-GRID_CONFIG = dict(SYS_BLOCK_M=64, SYS_BLOCK_N=64, CTX_BLOCK_N=32, CTX_HEADS=1, num_warps=4, num_stages=2,
+# The default is the fastest config of the H200 sweep (docs/results/grid_sweep_h200_s8.log).
+GRID_CONFIG = dict(SYS_BLOCK_M=64, SYS_BLOCK_N=32, CTX_BLOCK_N=64, CTX_HEADS=1, num_warps=4, num_stages=2,
                    spread=True)
 
 
@@ -82,6 +83,8 @@ def relay_grid_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     config: GRID_CONFIG's keys, any of them.
     tma: K/V of the prefix through tensor descriptors; None: only inside CUDA-graph capture.
     """
+    unknown = set(config or {}) - set(GRID_CONFIG)
+    assert not unknown, f"unknown relay grid config keys {sorted(unknown)}; known: {sorted(GRID_CONFIG)}"
     check_paged(q, k_cache, v_cache, meta)
     check_prefix(q, k_sys, v_sys)
     assert meta.is_decode and meta.max_seqlen_q == 1, "the relay grid serves decode steps (one query a sequence)"
@@ -99,8 +102,6 @@ def relay_grid_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     n_sys_q = n if rows is None else rows.shape[0]
     if n == 0:
         return
-    unknown = set(config or {}) - set(GRID_CONFIG)
-    assert not unknown, f"unknown relay grid config keys {sorted(unknown)}; known: {sorted(GRID_CONFIG)}"
     cfg = dict(GRID_CONFIG, **(config or {}))
     ctx_block_m = max(16, triton.next_power_of_2(group))
     sys_rows = n_sys_q * group

@@ -325,12 +325,16 @@ def test_gpu_system_attention_large(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tile", [(64, 64, 3), (64, 128, 2), (128, 128, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_gluon_system_attention(dtype, tile, head_dim):
+def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
     """The Hopper Gluon kernel: random GQA shapes, ragged and empty chunks, scattered rows."""
+    import kernels.gluon_system_attention as gluon
     from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
     probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
     if not gluon_usable(probe, probe, probe):
         pytest.skip("the Gluon kernel needs sm_90 and the Triton versions it was tested with")
+    calls = []
+    real = gluon.gluon_system_attention_into
+    monkeypatch.setattr(gluon, "gluon_system_attention_into", lambda *a, **k: calls.append(1) or real(*a, **k))
     rng = random.Random()
     block_m, block_n, stages = tile
     for _ in range(3):
@@ -344,6 +348,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim):
         lse_part = torch.full((splits, n, hkv * group), float("nan"), device="cuda")
         cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=block_m // 16, num_stages=stages, gluon=True)
         system_attention_into(q, k, v, head_dim ** -0.5, o_part, lse_part, rows, splits, cfg)
+        assert calls, "the call did not take the Gluon kernel"
+        calls.clear()
         o, lse = merge_partials(o_part[:, rows], lse_part[:, rows], dtype)
         want_o, want_lse = ref.system_attention(q[rows].float(), k.float(), v.float(), head_dim ** -0.5)
         assert rel_err(o, want_o) < TOL[dtype], (hkv, group, n, s, splits)
