@@ -101,13 +101,12 @@ class PagedAttention:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:
             k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-            if rope is not None and fuse and isinstance(rope[2], TritonLayerOps):
-                cos, sin, layer_ops = rope
-                q = layer_ops.rope_into_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+            if rope is None:
+                ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            elif fuse and isinstance(rope[2], TritonLayerOps):
+                q = rope[2].rope_into_cache(q, k, v, rope[0], rope[1], k_cache, v_cache, meta.slot_mapping)
             else:
-                if rope is not None:
-                    cos, sin, layer_ops = rope
-                    q, k = layer_ops.rope(q, k, cos, sin)
+                q, k = rope[2].rope(q, k, rope[0], rope[1])
                 ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             return fn(q, k_cache, v_cache, meta, self.prefix_layers[layer], scale)
 

@@ -163,6 +163,17 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return o_pad[idx["query_seq"], idx["query_local"]]
 
 
+def check_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """What storing k/v [N, Hkv, D] at flat slots of [num_blocks, block_size, Hkv, D] caches needs."""
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [num_blocks, block_size, Hkv, D]"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous to be viewed flat"
+    assert k.shape == v.shape and k.dim() == 3 and k.shape[1:] == k_cache.shape[2:], \
+        f"k/v must be [N, Hkv, D] = [N, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(k.shape)}"
+    assert slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64, "slot_mapping must be [N] int64"
+    assert slot_mapping.device == k_cache.device == k.device, "everything must be on one device"
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's k/v [N, Hkv, D] at their flat slots of the paged cache."""

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import check_kv_write
+
 
 @triton.jit
 def _rope_heads(x_ptr, o_ptr, row, out_row, stride_x, stride_xh, stride_o, stride_oh, num_heads, c1, c2, s1, s2,
@@ -110,12 +112,8 @@ def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     Returns the rotated q [N, Hq, D].
     """
     cos, sin = _check(q, k, cos, sin)
-    assert v.shape == k.shape and v.stride(-1) == 1, f"v must be [N, Hkv, D] like k, got {tuple(v.shape)}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:], \
-        f"caches must be [num_blocks, block_size, {k.shape[1]}, {k.shape[2]}], got {tuple(k_cache.shape)}"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous to be viewed flat"
-    assert slot_mapping.shape == (q.shape[0],) and slot_mapping.dtype == torch.int64, "slot_mapping must be [N] int64"
-    assert slot_mapping.device == k_cache.device == q.device, "everything must be on one device"
+    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
+    assert v.stride(-1) == 1 and q.device == k.device, "v needs a unit last stride, and q, k one device"
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     row = k.shape[1] * k.shape[2]  # a flat slot of the cache
     _launch(q, k, cos, sin, q_out, k_cache, v, v_cache, slot_mapping, row, row)
