@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels import reference
 from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
@@ -72,13 +73,17 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config)
         return out[0]
-    if one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1:
-        return _one_grid(q, k_cache, v_cache, meta, groups[0], scale, s_splits, grid_config)
-    extra = c_splits if c_splits > 1 or overlap else 0
+    one_grid = one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1
+    extra = c_splits if c_splits > 1 or overlap or one_grid else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
     if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
         lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
+    if one_grid:  # both roles in one launch; the context result lands in the last slot
+        (g, k_sys, v_sys), = groups
+        relay_grid_into(q, k_cache, v_cache, meta, k_sys, v_sys, g.query_indices, scale, o_part, lse_part,
+                        config=grid_config)
+        return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
     def system_step():
         for g, k_sys, v_sys in groups:
@@ -111,18 +116,6 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 
-def _one_grid(q, k_cache, v_cache, meta, group, scale, s_splits, grid_config) -> torch.Tensor:
-    g, k_sys, v_sys = group
-    n, hq, d = q.shape
-    o_part = torch.empty(s_splits + 1, n, hq, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(s_splits + 1, n, hq, dtype=torch.float32, device=q.device)
-    if int(g.query_indices.shape[0]) < n:
-        lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
-    relay_grid_into(q, k_cache, v_cache, meta, k_sys, v_sys, g.query_indices, scale, o_part, lse_part,
-                    config=grid_config)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
-
-
 _SIDE_STREAMS: dict = {}
 
 
@@ -147,13 +140,5 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's k/v [N, Hkv, D] at their flat slots of the paged cache (in place)."""
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [num_blocks, block_size, Hkv, D]"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous to be viewed flat"
-    assert k.shape == v.shape and k.dim() == 3 and k.shape[1:] == k_cache.shape[2:], \
-        f"k/v must be [N, Hkv, D] = [N, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(k.shape)}"
-    assert slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64, "slot_mapping must be [N] int64"
-    assert slot_mapping.device == k_cache.device == k.device, "everything must be on one device"
-    flat_k = k_cache.view(-1, k.shape[1], k.shape[2])
-    flat_v = v_cache.view(-1, v.shape[1], v.shape[2])
-    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    reference.check_kv_write(k_cache, v_cache, k, v, slot_mapping)
+    reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
