@@ -35,8 +35,9 @@ from device_kernels import bench_us, ceilings  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import paged_attention, paged_config  # noqa: E402
 from kernels.triton_ops import relay_attention, relay_attention_with  # noqa: E402
+from kernels.triton_paged_decode import prefix_paged_attention  # noqa: E402
 from kernels.triton_plan import split_plan, system_config  # noqa: E402
-from kernels.triton_system_attention import system_attention_into  # noqa: E402
+from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 
 CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--system", default="2048", help="shared prefix lengths (--overlap, --grid)")
     ap.add_argument("--grid", action="store_true", help="--overlap's two baselines against one-grid configs")
+    ap.add_argument("--small", action="store_true", help="split counts at small batches (--batches 1,4,...)")
+    ap.add_argument("--own", default="400,1200", help="--small: own context lengths drawn from lo,hi")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -65,6 +68,15 @@ def main() -> None:
     results = []
     gen = torch.Generator(device=dev)
     gen.seed()
+    if args.small:
+        lo, hi = map(int, args.own.split(","))
+        for name in args.models.split(","):
+            for system in map(int, args.system.split(",")):
+                for batch in map(int, args.batches.split(",")):
+                    results += small_batch_splits(name, batch, system, lo, hi, gen, ceil)
+        (out_dir / "small_batch_sweep.json").write_text(json.dumps(dict(ceilings=ceil, rows=results), indent=1,
+                                                                   default=str))
+        return
     if args.overlap or args.grid:
         for name in args.models.split(","):
             for system in map(int, args.system.split(",")):
@@ -216,6 +228,99 @@ def overlap_variants(name, batch, system, gen, ceil, grid=False) -> list[dict]:
                          rel_err=err))
         print(f"{case:26s} {label:60s} {t:8.1f} us floor {floor_us:6.1f} us {100 * floor_us / t:5.1f}% "
               f"err {err:.1e}", flush=True)
+    return rows
+
+
+SMALL_SPLITS = [(None, None), (None, 8)]
+
+
+def small_batch_splits(name, batch, system, own_lo, own_hi, gen, ceil) -> list[dict]:
+    """Whole relay decode attention (graphed: context on the side stream, one merge) for
+    system x context split counts (None: the plan's), and each kernel alone at its plan."""
+    dev = torch.device("cuda")
+    hq, hkv, d = HEADS[name]
+    q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, system, own_hi, dev, torch.bfloat16, gen)
+    lens = torch.randint(own_lo, own_hi + 1, (batch,), generator=gen, device=dev, dtype=torch.int32)
+    meta.context_lens.copy_(lens)
+    scale = d ** -0.5
+    want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float()) for k, v in pre],
+                               scale)
+    own_bytes = int(lens.sum()) * hkv * d * 2 * 2
+    sys_bytes = pre[0][0].numel() * 2 * 2
+    floor_us = max((own_bytes + sys_bytes + 2 * q.numel() * 2) / ceil["copy_bytes_per_s"],
+                   4 * batch * hq * system * d / ceil["bf16_flops_per_s"]) * 1e6
+    case = f"{name} B={batch} S={system} own {own_lo}-{own_hi}"
+    rows = []
+    # each kernel alone: the system kernel (Gluon under capture, else Triton) per split count,
+    # the context kernel into a partial, and the merge of both sides' partials
+    s_cfg = system_config(batch * hq // hkv, d, dev, 2)
+    programs = -(-batch * hq // hkv // s_cfg["BLOCK_M"]) * hkv
+    plan, _ = split_plan(system, programs, dev, s_cfg["BLOCK_N"], None, per_sm=s_cfg.get("per_sm", 1))
+    rows_idx = meta.prefix_groups[0].query_indices
+    for splits in (plan,):
+        o_p = torch.empty(splits + 1, batch, hq, d, device=dev, dtype=torch.float32)
+        l_p = torch.empty(splits + 1, batch, hq, device=dev, dtype=torch.float32)
+        for label, cfg in (("gluon", None), ("triton", dict(s_cfg, gluon=False))):
+            t = bench_us(lambda: system_attention_into(q, pre[0][0], pre[0][1], scale, o_p[:splits], l_p[:splits],
+                                                       rows=rows_idx, num_splits=splits, config=cfg))
+            rows.append(dict(case=case, variant=f"system alone {label} splits={splits}", time_us=t))
+            print(f"{case:36s} system alone {label:6s} splits {splits:3d}{' (plan)' if splits == plan else '':7s} "
+                  f"{t:8.1f} us", flush=True)
+        if splits == plan:
+            t = bench_us(lambda: paged_attention(q, kc, vc, meta, scale, out=o_p, lse=l_p, split_base=splits))
+            rows.append(dict(case=case, variant="context alone", time_us=t))
+            print(f"{case:36s} context alone (one split) {t:8.1f} us", flush=True)
+            t = bench_us(lambda: merge_partials(o_p, l_p, q.dtype, with_lse=False))
+            rows.append(dict(case=case, variant="merge alone", time_us=t))
+            print(f"{case:36s} merge alone ({splits + 1} partials) {t:8.1f} us", flush=True)
+    for splits in (None, 4, 8, 16):  # the --no-relay kernel: each request reads the prefix itself
+        out = {}
+
+        def fn_b():
+            out["o"] = prefix_paged_attention(q, kc, vc, meta, pre, scale, num_splits=splits)
+        t = bench_us(fn_b)
+        err = ((out["o"].double() - want.double()).norm() / want.double().norm()).item()
+        rows.append(dict(case=case, variant=f"baseline splits={splits}", time_us=t, floor_us=floor_us, rel_err=err))
+        print(f"{case:36s} whole, baseline splits {str(splits):5s} {t:8.1f} us err {err:.1e}", flush=True)
+    for label, kw in (("fused", dict(overlap=False)), ("one grid", dict(one_grid=True))):
+        out = {}
+
+        def fn_v():
+            out["o"] = relay_attention_with(q, kc, vc, meta, pre, scale, **kw)
+        t = bench_us(fn_v)
+        err = ((out["o"].double() - want.double()).norm() / want.double().norm()).item()
+        rows.append(dict(case=case, variant=label, time_us=t, floor_us=floor_us, rel_err=err))
+        print(f"{case:36s} whole, {label:22s} {t:8.1f} us err {err:.1e}", flush=True)
+    for sys_splits, ctx_splits in SMALL_SPLITS:
+        out = {}
+
+        def fn():
+            out["o"] = relay_attention_with(q, kc, vc, meta, pre, scale, sys_splits=sys_splits,
+                                            ctx_splits=ctx_splits)
+        try:
+            t = bench_us(fn)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+            print(f"{case} {sys_splits}/{ctx_splits}: {type(exc).__name__}: {exc}"[:300], flush=True)
+            continue
+        err = ((out["o"].double() - want.double()).norm() / want.double().norm()).item()
+        rows.append(dict(case=case, sys_splits=sys_splits, ctx_splits=ctx_splits, time_us=t, floor_us=floor_us,
+                         pct_floor=100 * floor_us / t, rel_err=err))
+        print(f"{case:36s} splits system {str(sys_splits):4s} context {str(ctx_splits):4s} {t:8.1f} us "
+              f"floor {floor_us:6.1f} us {100 * floor_us / t:5.1f}% err {err:.1e}", flush=True)
+    # kernel durations inside the default graph (the two streams' kernels may overlap)
+    graph = torch.cuda.CUDAGraph()
+    relay_attention_with(q, kc, vc, meta, pre, scale)
+    with torch.cuda.graph(graph):
+        relay_attention_with(q, kc, vc, meta, pre, scale)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", 0.0)
+        if total > 0 and ev.count:
+            print(f"{case:36s} in graph: {ev.key[:40]:40s} {ev.count // 20:3d}x {total / ev.count:8.1f} us", flush=True)
     return rows
 
 

@@ -3,8 +3,14 @@
 Runs a dummy model with a shared prefix, lets the batch reach steady decode, then
 profiles a few decode steps with torch.profiler: the eager step by default, or with
 --graphed the step the engine runs (buffers filled, CUDA graph replayed, sampled).
+--variant runs relay's decode attention another way, to compare in the engine what
+scripts/device_context_sweep.py times alone: fused (system, then context with the merge
+in its epilogue), system-first (system on a high-priority side stream), triton-system
+(the Triton system kernel instead of the Gluon one). --brief prints only the step time
+and the attention kernels.
 Usage:
   python scripts/device_profile.py [--preset llama2-7b] [--prefix 2048] [--batch 256] [--own 64] [--graphed]
+                                   [--variant fused|system-first|triton-system] [--brief]
 """
 
 from __future__ import annotations
@@ -15,11 +21,17 @@ import time
 
 import torch
 
+from kernels import triton_ops
 from models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions
+
+
+VARIANTS = {"default": {}, "fused": dict(overlap=False), "system-first": dict(system_side=True),
+            "triton-system": dict(sys_config=dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2,
+                                                  tma=None, gluon=False))}
 
 
 def main() -> None:
@@ -30,7 +42,12 @@ def main() -> None:
     ap.add_argument("--relay", type=int, default=1)
     ap.add_argument("--own", type=int, default=64, help="each request's own prompt tokens")
     ap.add_argument("--graphed", action="store_true", help="profile the engine's graphed step instead")
+    ap.add_argument("--variant", default="default", choices=list(VARIANTS))
+    ap.add_argument("--brief", action="store_true")
     args = ap.parse_args()
+    if args.variant != "default":  # the engine's attend looks relay_attention up on the module at each call
+        kw = VARIANTS[args.variant]
+        triton_ops.relay_attention = lambda *a: triton_ops.relay_attention_with(*a, **kw)
     rng = random.Random(0)
     lm = load_model(f"dummy:{args.preset}", dtype="bfloat16", device="cuda")
     ids = [rng.randrange(lm.config.vocab_size) for _ in range(args.prefix)]
@@ -79,7 +96,8 @@ def main() -> None:
         t3 = time.perf_counter()
         for s in seqs:
             s.num_cached_own = s.num_own_tokens
-        for s, t in zip(seqs, runner.sampler.sample(logits, [s.seq_id for s in seqs], [s.sampling for s in seqs])):
+        for s, t in zip(seqs, runner.sampler.sample(logits, [s.sampling for s in seqs],
+                                                          [len(s.output_ids) for s in seqs])):
             s.output_ids.append(t)
         return t1 - t0, t2 - t1, t3 - t2
 
@@ -91,11 +109,18 @@ def main() -> None:
         decode_step()
     times = [decode_step() for _ in range(10)]
     med = [sorted(x)[len(x) // 2] * 1e3 for x in zip(*times)]
-    print(f"median ms: prepare {med[0]:.2f}  forward launch (host) {med[1]:.2f}  wait for GPU {med[2]:.2f}")
+    print(f"median ms: prepare {med[0]:.2f}  forward launch (host) {med[1]:.2f}  wait for GPU {med[2]:.2f}"
+          f"  [{args.preset} B={args.batch} own {args.own} {args.variant}]")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             decode_step()
+    if args.brief:
+        for ev in prof.key_averages():
+            total = getattr(ev, "device_time_total", 0.0)
+            if total > 0 and any(k in ev.key for k in ("system", "paged", "merge", "relay")):
+                print(f"  {ev.key[:32]:32s} {ev.count:4d}x {total / ev.count:8.1f} us")
+        return
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
