@@ -7,7 +7,11 @@ context_len - q_len + i and sees own keys 0..that position.
 
 The same kernel serves the --no-relay baseline (triton_paged_decode.py): HAS_PREFIX puts
 the shared prefix in front of the own keys in one softmax, and the key range can be cut
-into splits that write fp32 partials. With HAS_SYS the epilogue folds in the system
+into splits that write fp32 partials. Each program cuts its own sequence's key range
+into num_splits equal chunks (whole key tiles), so the chunks stay balanced whatever the
+lengths: a CUDA graph plans its split count for the longest context its bucket allows,
+up to 4x the real one, and fixed-size chunks left most split programs empty and a few
+long. With HAS_SYS the epilogue folds in the system
 step's partials (w = sigmoid(lse_sys - lse_ctx), per split) and writes the final o once.
 """
 
@@ -58,7 +62,7 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
 @triton.jit
 def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
                    cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
-                   group_id, prefix_len, keys_per_split, split_base, sys_splits,
+                   group_id, prefix_len, num_splits, split_base, sys_splits,
                    qk_scale,
                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_ps, stride_ph, stride_bt,
@@ -93,8 +97,10 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     # 0 without a prefix. A row with no own tokens is padding (a CUDA graph's rows past
     # the batch): this kernel reads nothing for it, not even its prefix (o = 0, lse = -inf).
     pre = tl.where(ctx_len > 0, prefix_len, 0)
-    lo = split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, pre + own_any)
+    total = pre + own_any
+    per = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, total)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -140,10 +146,10 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
 
 # Runtime counts that change from step to step are not specialised: Triton would compile
 # another variant for a value of 1 or a multiple of 16, inside a running job.
-@triton.jit(do_not_specialize=["group_id", "prefix_len", "keys_per_split", "split_base", "sys_splits"])
+@triton.jit(do_not_specialize=["group_id", "prefix_len", "num_splits", "split_base", "sys_splits"])
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
-                  group_id, prefix_len, keys_per_split, split_base, num_kv_heads, sys_splits,
+                  group_id, prefix_len, num_splits, split_base, num_kv_heads, sys_splits,
                   qk_scale,
                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_ps, stride_ph, stride_bt,
@@ -164,7 +170,7 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     split = pid_hs // num_kv_heads
     _paged_program(pid_m, seq, h, split,
                    q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr, cu_ptr, ctx_ptr,
-                   bt_ptr, grp_ptr, group_id, prefix_len, keys_per_split, split_base, sys_splits,
+                   bt_ptr, grp_ptr, group_id, prefix_len, num_splits, split_base, sys_splits,
                    qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                    stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
                    stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
@@ -211,7 +217,7 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, out: torch.Tensor, lse: torch.Tensor | None = None, split_base: int = 0,
-                    keys_per_split: int = 1 << 30, num_splits: int = 1,
+                    num_splits: int = 1,
                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                     seq_group: torch.Tensor | None = None, group_id: int = 0,
                     sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -220,7 +226,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
     with seq_group[b] == group_id run; sys_part: (o [s, N, Hq, D], lse [s, N, Hq]) merged in
-    the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None.
+    the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None. num_splits:
+    each sequence's keys are cut into that many chunks of whole key tiles, chunk s of
+    cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
+    last ones may be short or empty: (0, -inf)).
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -244,7 +253,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         assert seq_group.shape == (meta.num_seqs,) and seq_group.dtype == torch.int32
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
-    keys = min(keys_per_split, meta.max_context_len + (prefix[0].shape[0] if prefix is not None else 0))
+    keys = -(-(meta.max_context_len + (prefix[0].shape[0] if prefix is not None else 0)) // num_splits)
     cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys))
     cfg.pop("per_sm", None)
     heads_fast = cfg.pop("heads_fast", prefix is None)
@@ -257,7 +266,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, kp, vp, out, lse_t, so, sl,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
         seq_group if seq_group is not None else meta.context_lens,
-        group_id, kp.shape[0] if prefix is not None else 0, keys_per_split, split_base,
+        group_id, kp.shape[0] if prefix is not None else 0, num_splits, split_base,
         hkv, so.shape[0] if sys_part is not None else 0, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -292,12 +301,13 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def context_splits(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, extra_keys: int = 0,
-                   num_splits: int | None = None, config: dict | None = None) -> tuple[int, int]:
-    """Split-K plan over (extra_keys + own keys) for sequences too few to fill the chip."""
+                   num_splits: int | None = None, config: dict | None = None) -> int:
+    """How many chunks to cut each sequence's (extra_keys + own keys) into, for sequences
+    too few to fill the chip; planned for the longest, meta.max_context_len."""
     group = q.shape[1] // num_kv_heads
     device = q.device
     cfg = config or paged_config(meta.max_seqlen_q * group, q.shape[2], device, q.element_size(),
                                  extra_keys + meta.max_context_len)
     programs = meta.num_seqs * num_kv_heads * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
     return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
-                      min_keys=512, per_sm=cfg.get("per_sm", 1))
+                      min_keys=512, per_sm=cfg.get("per_sm", 1))[0]

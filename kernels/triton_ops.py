@@ -59,7 +59,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     hkv = k_cache.shape[2]
     group = hq // hkv
     groups = group_prefixes(meta, prefixes)
-    c_splits, c_per = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config)
+    c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config)
     s_splits = 0
     if groups:
         rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group
@@ -93,7 +93,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
-                        keys_per_split=c_per, num_splits=c_splits, config=ctx_config)
+                        num_splits=c_splits, config=ctx_config)
 
     if not extra:  # the fused path: the context epilogue merges the system partials, o written once
         system_step()

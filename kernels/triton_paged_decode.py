@@ -58,14 +58,14 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
     longest = max((k.shape[0] for _, k, _ in groups), default=0)
-    splits, per = context_splits(meta, q, hkv, longest, num_splits, config)
+    splits = context_splits(meta, q, hkv, longest, num_splits, config)
     if splits == 1:
         out, lse = torch.empty((1,) + tuple(q.shape), dtype=q.dtype, device=q.device), None
     else:
         out = torch.empty((splits,) + tuple(q.shape), dtype=torch.float32, device=q.device)
         lse = torch.empty((splits,) + tuple(q.shape[:2]), dtype=torch.float32, device=q.device)
     seq_group, rest = sequence_groups(meta, groups)
-    common = dict(out=out, lse=lse, keys_per_split=per, num_splits=splits, seq_group=seq_group, config=config)
+    common = dict(out=out, lse=lse, num_splits=splits, seq_group=seq_group, config=config)
     for gid, (_, k_sys, v_sys) in enumerate(groups):
         paged_attention(q, k_cache, v_cache, meta, scale, prefix=(k_sys, v_sys), group_id=gid, **common)
     if rest:

@@ -64,7 +64,7 @@ def _relay_grid_kernel(q_ptr, ks_ptr, vs_ptr, rows_ptr, kc_ptr, vc_ptr, o_ptr, l
         for hh in tl.static_range(CTX_HEADS):
             _paged_program(0, c // per_seq, (c % per_seq) * CTX_HEADS + hh, 0,
                            q_ptr, kc_ptr, vc_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, o_ptr, lse_ptr,
-                           cu_ptr, ctx_ptr, bt_ptr, ctx_ptr, 0, 0, 1 << 30, sys_splits, 0, qk_scale,
+                           cu_ptr, ctx_ptr, bt_ptr, ctx_ptr, 0, 0, 1, sys_splits, 0, qk_scale,
                            stride_qn, stride_qh, stride_kb, stride_kt, stride_kch, stride_vb, stride_vt, stride_vch,
                            0, 0, stride_bt, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                            0, 0, 0, 0, 0, G, D, CTX_BLOCK_M, CTX_BLOCK_N, PAGE,

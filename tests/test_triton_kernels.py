@@ -27,7 +27,7 @@ for _name in _MODULES:
         importlib.reload(sys.modules[_name])
 
 from kernels import reference as ref  # noqa: E402
-from kernels.triton_context_attention import context_attention  # noqa: E402
+from kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
 from kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
 from kernels.triton_relay_grid import relay_grid_into  # noqa: E402
@@ -116,6 +116,40 @@ def test_context_attention_and_fused_merge(dtype, decode):
     want = ref.merge_attention(o_sys.float(), lse_sys, want_o, want_lse)
     assert rel_err(fused, want) < TOL[dtype]
     assert torch.allclose(fused_lse, torch.logaddexp(lse_sys, want_lse), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_context_splits_cut_each_sequence_into_balanced_chunks(dtype):
+    """Split s of a sequence with K own keys holds keys [s*per, min((s+1)*per, K)), per = cdiv(K, splits)
+    in whole key tiles, from the sequence's own length (not the longest's): each split's partial is
+    float64 attention over exactly that chunk, and a chunk past K is empty (o = 0, lse = -inf)."""
+    rng = random.Random()
+    shape = shapes(rng, decode=True)
+    shape["ctx_lens"] = [rng.randint(1, 150) for _ in shape["ctx_lens"]]
+    q, kc, vc, _, meta, scale = make(shape, dtype)
+    splits, tile = rng.choice([2, 3, 5]), SMALL_CTX["BLOCK_N"]
+    out = torch.empty(splits, *q.shape, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(splits, *q.shape[:2], dtype=torch.float32, device=DEVICE)
+    paged_attention(q, kc, vc, meta, scale, out=out, lse=lse, num_splits=splits, config=SMALL_CTX)
+    keys, values = (ref.gather_context(c, meta).cpu().double() for c in (kc, vc))
+    group = q.shape[1] // kc.shape[2]
+    got_o, want_o, got_lse, want_lse = [], [], [], []
+    for b, length in enumerate(shape["ctx_lens"]):
+        per = -(-(-(-length // splits)) // tile) * tile
+        for s in range(splits):
+            lo, hi = s * per, min((s + 1) * per, length)
+            if lo >= hi:
+                assert torch.all(lse[s, b] == float("-inf")) and torch.all(out[s, b] == 0), (b, s, length)
+                continue
+            k = keys[b, lo:hi].repeat_interleave(group, dim=1)  # [keys, Hq, D]
+            v = values[b, lo:hi].repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[b].cpu().double(), k) * scale
+            want_lse.append(torch.logsumexp(scores, dim=1))
+            want_o.append(torch.einsum("hk,khd->hd", torch.softmax(scores, dim=1), v))
+            got_o.append(out[s, b].cpu())
+            got_lse.append(lse[s, b].cpu())
+    assert rel_err(torch.stack(got_o), torch.stack(want_o)) < TOL[dtype]
+    assert torch.allclose(torch.stack(got_lse).double(), torch.stack(want_lse), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
