@@ -165,6 +165,24 @@ def graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil) 
     return rows
 
 
+def decode_problem(name, batch, system, own_lo, own_hi, gen, ceil):
+    """A relay decode step (own contexts drawn from own_lo..own_hi, one shared prefix), the
+    float32 reference output and the step's attention floor in microseconds."""
+    dev = torch.device("cuda")
+    hq, hkv, d = HEADS[name]
+    q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, system, own_hi, dev, torch.bfloat16, gen)
+    lens = torch.randint(own_lo, own_hi + 1, (batch,), generator=gen, device=dev, dtype=torch.int32)
+    meta.context_lens.copy_(lens)
+    scale = d ** -0.5
+    want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float()) for k, v in pre],
+                               scale)
+    own_bytes = int(lens.sum()) * hkv * d * 2 * 2
+    sys_bytes = pre[0][0].numel() * 2 * 2
+    floor_us = max((own_bytes + sys_bytes + 2 * q.numel() * 2) / ceil["copy_bytes_per_s"],
+                   4 * batch * hq * system * d / ceil["bf16_flops_per_s"]) * 1e6
+    return q, kc, vc, pre, meta, scale, want, floor_us
+
+
 GRID_VARIANTS = [  # kernels/triton_relay_grid.py: tiles, stages, heads a context program takes, placement
     dict(), dict(CTX_BLOCK_N=64), dict(CTX_BLOCK_N=64, num_stages=3), dict(CTX_HEADS=2),
     dict(CTX_BLOCK_N=64, CTX_HEADS=8), dict(spread=False), dict(SYS_BLOCK_N=32, CTX_BLOCK_N=64),
@@ -175,17 +193,7 @@ def overlap_variants(name, batch, system, gen, ceil, grid=False) -> list[dict]:
     """The whole relay decode attention under each way of sharing the chip, and each kernel alone."""
     dev = torch.device("cuda")
     hq, hkv, d = HEADS[name]
-    q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, system, 800, dev, torch.bfloat16, gen)
-    lens = torch.randint(16, 801, (batch,), generator=gen, device=dev, dtype=torch.int32)
-    meta.context_lens.copy_(lens)
-    scale = d ** -0.5
-    want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float()) for k, v in pre],
-                               scale)
-    own_bytes = int(lens.sum()) * hkv * d * 2 * 2
-    sys_bytes = pre[0][0].numel() * 2 * 2
-    sys_flops = 4 * batch * hq * system * d
-    floor_us = max((own_bytes + sys_bytes + 2 * q.numel() * 2) / ceil["copy_bytes_per_s"],
-                   sys_flops / ceil["bf16_flops_per_s"]) * 1e6
+    q, kc, vc, pre, meta, scale, want, floor_us = decode_problem(name, batch, system, 16, 800, gen, ceil)
     s_cfg = system_config(batch * hq // hkv, d, dev, 2)
     two_stages = dict(s_cfg, num_stages=2)
     variants = [("fused", dict(overlap=False)), ("context first", dict(overlap=True)),
@@ -239,16 +247,7 @@ def small_batch_splits(name, batch, system, own_lo, own_hi, gen, ceil) -> list[d
     system x context split counts (None: the plan's), and each kernel alone at its plan."""
     dev = torch.device("cuda")
     hq, hkv, d = HEADS[name]
-    q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, system, own_hi, dev, torch.bfloat16, gen)
-    lens = torch.randint(own_lo, own_hi + 1, (batch,), generator=gen, device=dev, dtype=torch.int32)
-    meta.context_lens.copy_(lens)
-    scale = d ** -0.5
-    want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float()) for k, v in pre],
-                               scale)
-    own_bytes = int(lens.sum()) * hkv * d * 2 * 2
-    sys_bytes = pre[0][0].numel() * 2 * 2
-    floor_us = max((own_bytes + sys_bytes + 2 * q.numel() * 2) / ceil["copy_bytes_per_s"],
-                   4 * batch * hq * system * d / ceil["bf16_flops_per_s"]) * 1e6
+    q, kc, vc, pre, meta, scale, want, floor_us = decode_problem(name, batch, system, own_lo, own_hi, gen, ceil)
     case = f"{name} B={batch} S={system} own {own_lo}-{own_hi}"
     rows = []
     # each kernel alone: the system kernel (Gluon under capture, else Triton) per split count,
