@@ -15,7 +15,7 @@ that leave room on each SM for context programs; each kernel alone gives the ser
 --grid times kernels/triton_relay_grid.py's one launch (both roles interleaved) in its
 configs against the fused and context-first paths.
 Usage: python scripts/device_context_sweep.py [--graph-path | --overlap | --grid] [--models llama3-8b]
-       [--batches 256,64] [--system 2048,8192]
+       [--batches 256,64] [--system 2048,8192] [--own lo,hi]
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--system", default="2048", help="shared prefix lengths (--overlap, --grid)")
     ap.add_argument("--grid", action="store_true", help="--overlap's two baselines against one-grid configs")
     ap.add_argument("--small", action="store_true", help="split counts at small batches (--batches 1,4,...)")
-    ap.add_argument("--own", default="400,1200", help="--small: own context lengths drawn from lo,hi")
+    ap.add_argument("--own", default=None,
+                    help="own context lengths drawn from lo,hi (default 400,1200 with --small, else 16,800)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -69,7 +70,7 @@ def main() -> None:
     gen = torch.Generator(device=dev)
     gen.seed()
     if args.small:
-        lo, hi = map(int, args.own.split(","))
+        lo, hi = map(int, (args.own or "400,1200").split(","))
         for name in args.models.split(","):
             for system in map(int, args.system.split(",")):
                 for batch in map(int, args.batches.split(",")):
@@ -88,8 +89,9 @@ def main() -> None:
     for name in args.models.split(","):
         hq, hkv, d = HEADS[name]
         for batch in map(int, args.batches.split(",")):
-            q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, 2048, 800, dev, torch.bfloat16, gen)
-            lens = torch.randint(16, 801, (batch,), generator=gen, device=dev, dtype=torch.int32)
+            lo, hi = map(int, (args.own or "16,800").split(","))
+            q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, 2048, hi, dev, torch.bfloat16, gen)
+            lens = torch.randint(lo, hi + 1, (batch,), generator=gen, device=dev, dtype=torch.int32)
             meta.context_lens.copy_(lens)
             scale = d ** -0.5
             want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float())
