@@ -279,6 +279,31 @@ def test_bench_e2e_sampled(tmp_path):
     assert refused.exit_code == 2 and "--temperature" in refused.output
 
 
+def test_bench_e2e_repeats_report_the_median_run(tmp_path):
+    """--repeats 3: each engine system runs three times, alternating; its row is the run of
+    median time and lists every run; greedy runs generate the same ids every time;
+    transformers runs once."""
+    out_json = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--workload", "fixed-128-256",
+                                   "--requests", "3", "--system-tokens", "32", "--max-batch", "4",
+                                   "--systems", "relay,no-relay,hf", "--max-output-len", "6", "--device", "cpu",
+                                   "--repeats", "3", "--json", str(out_json)])
+    assert res.exit_code == 0, res.output
+    rows = {r["system"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert len(rows) == 3
+    for name in ("relay", "no-relay"):
+        r = rows[name]
+        assert r["runs"] == 3 and len(r["seconds_runs"]) == 3 and len(r["requests_per_s_runs"]) == 3
+        assert r["seconds"] == sorted(r["seconds_runs"])[1], r["seconds_runs"]
+        assert r["requests_per_s"] == r["requests_per_s_runs"][r["seconds_runs"].index(r["seconds"])]
+        assert r["same_ids_across_runs"] is True and r["exact_lengths"]
+    assert "runs" not in rows["hf"] and rows["no-relay"]["same_tokens_as_relay"] == "3/3"
+    assert res.output.count("(run 2 of 3)") == 2  # the two engines, not transformers
+    assert "3 runs" in res.stdout
+    refused = CliRunner().invoke(app, ["bench", "e2e", "--repeats", "0", "--device", "cpu"])
+    assert refused.exit_code == 2 and "--repeats" in refused.output
+
+
 def test_run_engine_samples_with_each_requests_seed():
     """The engine's sampled tokens differ from greedy ones, repeat for the same seeds, and
     do not depend on the batch limit (each request draws from its own seed)."""

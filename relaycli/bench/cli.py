@@ -106,7 +106,7 @@ def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Pa
 
 
 def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,
-         hf_requests, kv_cache_gb, quiet, short=False, sampling: dict | None = None) -> dict:
+         hf_requests, kv_cache_gb, quiet, short=False, sampling: dict | None = None, repeats: int = 1) -> dict:
     from relaycli.bench.e2e import E2EOptions, run_e2e
     given = dict(model=model, workload=workload, requests=requests,
                  system_tokens=_ints(system_tokens, "--system-tokens"),
@@ -114,7 +114,7 @@ def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, de
                  systems=[s.strip() for s in systems.split(",") if s.strip()] if systems else None)
     opts = {**default_e2e(_is_cuda(device), short), **{k: v for k, v in given.items() if v is not None}}
     report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb,
-                                **(sampling or {})), _progress(quiet))
+                                repeats=repeats, **(sampling or {})), _progress(quiet))
     _print_e2e(report)
     return report
 
@@ -186,6 +186,7 @@ def e2e_cmd(
     temperature: float = typer.Option(0.0, "--temperature", help="Every request samples at this temperature (seed: its index); 0: greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus filter of sampled requests (with --temperature)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k filter of sampled requests (with --temperature)."),
+    repeats: int = typer.Option(1, "--repeats", help="Runs of each engine system, alternating; rows report the run of median time (transformers runs once)."),
     json_path: Optional[Path] = _JSON,
     plot_path: Optional[Path] = _PLOT,
     threads: Optional[int] = _THREADS,
@@ -196,7 +197,7 @@ def e2e_cmd(
         _check_outputs(json_path, plot_path)
         report = _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed,
                       max_output_len, hf_requests, kv_cache_gb, quiet,
-                      sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
+                      sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k), repeats=repeats)
         _save([report], json_path, plot_path, quiet)
 
 

@@ -45,9 +45,13 @@ class E2EOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int | None = None
+    # engine runs of each cell, alternating systems; a row is the run of median time
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         get_workload(self.workload)
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -194,6 +198,19 @@ def triton_variants() -> int | None:
     return total
 
 
+def median_run(runs: list[tuple[dict, dict | None]]) -> tuple[dict, dict | None]:
+    """The run of median time among repeats of one system (of two middle ones, the slower),
+    with every run's seconds and req/s and whether all runs generated the same ids."""
+    if len(runs) == 1 or any("seconds" not in row for row, _ in runs):
+        return runs[0]
+    ordered = sorted(runs, key=lambda run: run[0]["seconds"])
+    row, token_ids = ordered[len(ordered) // 2]
+    row = {**row, "runs": len(runs), "seconds_runs": [r["seconds"] for r, _ in runs],
+           "requests_per_s_runs": [r["requests_per_s"] for r, _ in runs],
+           "same_ids_across_runs": all(ids == token_ids for _, ids in runs)}
+    return row, token_ids
+
+
 def _prepare_model(opts: E2EOptions, need_context: int) -> tuple[LoadedModel, str | None]:
     lm = load_model(opts.model, opts.dtype, opts.device, seed=opts.seed)
     limit = lm.config.max_position_embeddings
@@ -227,22 +244,29 @@ def run_e2e(opts: E2EOptions, progress: Callable[[str], None] | None = None) -> 
         ids = [rng.randrange(vocab) for _ in range(s)]
         prefix = prefix_from_ids(lm, ids, "bench") if s else None
         for b in opts.max_batch:
+            runs: dict[str, list[tuple[dict, dict | None]]] = {system: [] for system in opts.systems}
+            for rep in range(opts.repeats):  # systems alternate, so a drift of the machine hits each alike
+                for system in opts.systems:
+                    if system == "hf" and rep:
+                        continue  # the peer runs once: it is slow, and no variant of it is compared
+                    base = {"system": system, "system_tokens": s, "max_batch": b, "workload": spec.name}
+                    if system == "hf":
+                        row = hf_row(lm, ids, shapes[:opts.hf_requests], own_ids, b, s, sampling)
+                    else:
+                        row = run_engine(lm, prefix, shapes, own_ids, b, system == "relay", opts.kv_cache_gb,
+                                         sampling=sampling)
+                    row = {**base, **row}
+                    token_ids = row.pop("_ids", None)
+                    if "seconds" in row:
+                        price_decode(row, shape, s, ceil, input_lens=[r.input_len for r in shapes])
+                    runs[system].append((row, token_ids))
+                    say(e2e_line(row) + (f"  (run {rep + 1} of {opts.repeats})" if opts.repeats > 1 else ""))
             ids_by_system = {}
             for system in opts.systems:
-                base = {"system": system, "system_tokens": s, "max_batch": b, "workload": spec.name}
-                if system == "hf":
-                    row = hf_row(lm, ids, shapes[:opts.hf_requests], own_ids, b, s, sampling)
-                else:
-                    row = run_engine(lm, prefix, shapes, own_ids, b, system == "relay", opts.kv_cache_gb,
-                                     sampling=sampling)
-                row = {**base, **row}
-                token_ids = row.pop("_ids", None)
+                row, token_ids = median_run(runs[system])
                 # sampled: the engines draw alike (each row's own seed), transformers does not
                 ids_by_system[system] = None if sampling and system == "hf" else token_ids
-                if "seconds" in row:
-                    price_decode(row, shape, s, ceil, input_lens=[r.input_len for r in shapes])
                 rows.append(row)
-                say(e2e_line(row))
             compare_tokens(rows[-len(opts.systems):], ids_by_system)
         del prefix
         free_memory(dev)

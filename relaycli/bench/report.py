@@ -23,6 +23,14 @@ def _ceilings(report: dict) -> str:
             f"matmul {c['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({report['dtype']})")
 
 
+def _req_s(row: dict) -> str:
+    """req/s of the row; after repeats, the median run's, then the range of all runs."""
+    if not row.get("requests_per_s_runs"):
+        return f"{row['requests_per_s']:.2f}"
+    runs = row["requests_per_s_runs"]
+    return f"{row['requests_per_s']:.2f} ({min(runs):.2f}-{max(runs):.2f}, {len(runs)} runs)"
+
+
 def e2e_table(report: dict) -> Table:
     wl = report["workload"]
     opts = report.get("options", {})
@@ -44,7 +52,7 @@ def e2e_table(report: dict) -> Table:
         step, floor = r.get("decode_step_s"), r.get("floor_step_s")
         capped = "hf_batch" in r and r["hf_batch"] != r["max_batch"]
         t.add_row(r["system"] + (f" (B={r['hf_batch']})" if capped else ""),
-                  str(r["system_tokens"]), str(r["max_batch"]), f"{r['requests_per_s']:.2f}",
+                  str(r["system_tokens"]), str(r["max_batch"]), _req_s(r),
                   f"{r['tokens_per_s']:.1f}", _fmt(r.get("speedup_vs_no_relay"), ".2f"),
                   _fmt(r.get("ttft_p50_s"), ".3f"), _fmt(r.get("ttft_p90_s"), ".3f"),
                   _fmt(step and 1e3 * step, ".2f"), _fmt(floor and 1e3 * floor, ".3f"),
