@@ -32,14 +32,27 @@ from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_
 def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale,
                 stride_kb, stride_kt, stride_vb, stride_vt,
                 PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK: tl.constexpr, IEEE: tl.constexpr):
-    """Own keys lo..hi through the block table; MASK adds the causal and end masks."""
+                MASK: tl.constexpr, IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
+    """Own keys lo..hi through the block table; MASK adds the causal and end masks.
+
+    BT_AHEAD: read each tile's block ids one iteration early. A K/V address that comes
+    from a block-table load of the same iteration costs Triton's software pipeline a
+    stage: at 2-4 stages the K/V tile is then single-buffered and waited for as soon as
+    it is issued; with the ids carried from the iteration before, 3 stages double-buffer
+    it (scripts/compile_report.py). Same tiles in the same order: the same results.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    if BT_AHEAD:
+        blk_next = tl.load(bt_row + (lo + offs_n) // PAGE, mask=lo + offs_n < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         if MASK:
             jmask = j < hi
+        if BT_AHEAD:
+            blk = blk_next.to(tl.int64)
+            blk_next = tl.load(bt_row + (j + BLOCK_N) // PAGE, mask=j + BLOCK_N < hi, other=0)
+        elif MASK:
             blk = tl.load(bt_row + j // PAGE, mask=jmask, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + j // PAGE).to(tl.int64)
@@ -71,7 +84,7 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
                    HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
     """Row tile pid_m of sequence seq on KV head h, key chunk `split` (the kernel below, or a relay grid)."""
     if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
         if tl.load(grp_ptr + seq) != group_id:
@@ -120,9 +133,9 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     kc = kc_ptr + h * stride_kh
     vc = vc_ptr + h * stride_vh
     acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_lo, o_mid, qk_scale,
-                                stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, False, IEEE)
+                                stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, False, IEEE, BT_AHEAD)
     acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_mid, o_hi, qk_scale,
-                                stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, True, IEEE)
+                                stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, True, IEEE, BT_AHEAD)
     o, lse = _finish(acc, m_i, l_i)
     # relay fusion: fold in every split of the system step, then write once. The split
     # count is a runtime value (a constexpr would compile a variant per count, inside a
@@ -158,7 +171,7 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
                   HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
     if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
         pid_hs = tl.program_id(0)
         pid_m = tl.program_id(2)
@@ -174,7 +187,7 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                    qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                    stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
                    stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
-                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE)
+                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD)
 
 
 def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -257,6 +270,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys))
     cfg.pop("per_sm", None)
     heads_fast = cfg.pop("heads_fast", prefix is None)
+    bt_ahead = cfg.pop("bt_ahead", False)
     m_tiles = triton.cdiv(meta.max_seqlen_q * group, cfg["BLOCK_M"])
     grid = (hkv * num_splits, meta.num_seqs, m_tiles) if heads_fast else (m_tiles, meta.num_seqs, hkv * num_splits)
     kp, vp = prefix if prefix is not None else (k_cache, v_cache)
@@ -278,7 +292,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
         HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
-        IEEE=q.dtype == torch.float32, **cfg)
+        IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, **cfg)
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

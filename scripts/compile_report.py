@@ -10,8 +10,10 @@ consumed and waited for at once: nothing is in flight while the program computes
 block-table lookup in front of every K/V load costs the pipeline a stage, so with
 Triton 3.6 that is the case for num_stages 2-4 and double buffering starts at 5.
 
-Needs a Triton wheel with the NVIDIA backend (its ptxas and cuobjdump); no CUDA device.
-    python scripts/compile_report.py [--configs 32:2:2,32:2:5,64:4:2,64:4:5] [--group 4] [--head-dim 128]
+A config ending in ":a" sets bt_ahead (the block ids read one iteration early), with
+which 3 stages double-buffer K/V. Needs a Triton wheel with the NVIDIA backend (its ptxas
+and cuobjdump); no CUDA device.
+    python scripts/compile_report.py [--configs 32:2:2,32:2:3:a,64:4:5] [--group 4] [--head-dim 128]
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return int(re.search(r"REG:(\d+)", line).group(1)), int(re.search(r"STACK:(\d+)", line).group(1))
 
 
-def report(block_n: int, num_warps: int, num_stages: int, group: int, head_dim: int) -> str:
+def report(block_n: int, num_warps: int, num_stages: int, bt_ahead: bool, group: int, head_dim: int) -> str:
     consts = dict(G=group, D=head_dim, BLOCK_M=16, BLOCK_N=block_n, PAGE=16, HAS_PREFIX=False, FILTER=False,
-                  HEADS_FAST=True, HAS_SYS=False, SYS_UNROLL=4, WRITE_LSE=True, IEEE=False)
+                  HEADS_FAST=True, HAS_SYS=False, SYS_UNROLL=4, WRITE_LSE=True, IEEE=False, BT_AHEAD=bt_ahead)
     sig, attrs = signature(_paged_kernel, consts)
     src = ASTSource(fn=_paged_kernel, signature=sig, attrs=attrs,
                     constexprs={(_paged_kernel.arg_names.index(k),): v for k, v in consts.items()})
@@ -76,22 +78,24 @@ def report(block_n: int, num_warps: int, num_stages: int, group: int, head_dim: 
     ir = k.asm["ttgir"]
     buffers = sorted({int(n) for n in re.findall(rf"memdesc<(\d+)x{block_n}x{head_dim}x", ir)})
     waits = sorted({int(n) for n in re.findall(r"async_wait[^{]*\{num = (\d+)", ir)})
-    return (f"BLOCK_N {block_n:3d} warps {num_warps} stages {num_stages}: registers {regs:3d} stack {stack:4d} B "
+    return (f"BLOCK_N {block_n:3d} warps {num_warps} stages {num_stages}{' bt_ahead' if bt_ahead else '         '}: "
+            f"registers {regs:3d} stack {stack:4d} B "
             f"shared {k.metadata.shared / 1024:5.1f} KiB  K/V buffers {buffers}  async_wait num {waits}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="32:2:2,32:2:3,32:2:5,64:4:2,64:4:3,64:4:5",
-                    help="BLOCK_N:num_warps:num_stages, comma-separated")
+    ap.add_argument("--configs", default="32:2:2,32:2:3,32:2:5,32:2:3:a,64:4:2,64:4:3,64:4:5,64:4:3:a",
+                    help="BLOCK_N:num_warps:num_stages[:a], comma-separated (a: bt_ahead)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (llama3-8b: 4)")
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, _paged_kernel decode tile (BLOCK_M 16), G={args.group}, "
           f"D={args.head_dim}", flush=True)
     for item in args.configs.split(","):
-        block_n, warps, stages = map(int, item.split(":"))
-        print(report(block_n, warps, stages, args.group, args.head_dim), flush=True)
+        fields = item.split(":")
+        block_n, warps, stages = map(int, fields[:3])
+        print(report(block_n, warps, stages, fields[3:] == ["a"], args.group, args.head_dim), flush=True)
 
 
 if __name__ == "__main__":

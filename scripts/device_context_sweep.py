@@ -44,12 +44,17 @@ CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
            [(16, 1, 2), (16, 2, 3), (16, 1, 4), (32, 1, 2), (32, 2, 2), (32, 1, 3), (32, 2, 3), (32, 2, 4),
             (32, 4, 2), (32, 2, 1), (64, 2, 2), (64, 4, 2), (64, 2, 3), (64, 4, 3), (64, 4, 1), (128, 4, 2),
             (16, 2, 5), (32, 2, 5), (32, 4, 5), (64, 4, 5)]]  # 5 stages: K/V double-buffered (compile_report.py)
+# block ids read one iteration early: 3 stages double-buffer K/V, 4 triple-buffer them
+CONFIGS += [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, bt_ahead=True) for n, w, s in
+            [(32, 2, 2), (32, 2, 3), (32, 2, 4), (32, 4, 3), (64, 4, 3), (64, 4, 4), (16, 2, 3)]]
 
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 GRAPH_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
                  [(32, 2, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
-                  (32, 2, 5), (64, 4, 5)]]
+                  (32, 2, 5), (64, 4, 5)]] + \
+                [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, bt_ahead=True) for n, w, s in
+                 [(32, 2, 3), (32, 2, 4), (64, 4, 3)]]
 
 
 def main() -> None:

@@ -46,7 +46,9 @@ SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, t
                                         (64, 128, 4, 2, 1, True), (128, 64, 8, 3, 1, True)]]
 PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=hf)
                for n, w, s, hf in [(64, 4, 2, False), (64, 4, 2, True), (32, 4, 3, True), (64, 2, 3, True),
-                                   (32, 2, 2, True), (128, 4, 1, True), (32, 2, 5, True), (64, 4, 5, True)]]
+                                   (32, 2, 2, True), (128, 4, 1, True), (32, 2, 5, True), (64, 4, 5, True)]] + \
+              [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=True, bt_ahead=True)
+               for n, w, s in [(32, 2, 3), (64, 4, 3), (64, 4, 4)]]
 rows: list[dict] = []
 checks: list[dict] = []
 

@@ -194,6 +194,24 @@ def test_prefix_paged_attention(dtype, decode, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decode", [True, False])
+def test_block_ids_read_ahead_give_the_same_bits(dtype, decode):
+    """bt_ahead (each tile's block ids loaded one iteration early, for the software
+    pipeline) reads the same tiles in the same order: the baseline, split or not, and the
+    context step give the same bits as without it, and match float64 attention."""
+    shape = shapes(random.Random(), decode)
+    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
+    want = textbook(shape, q, kc, vc, prefixes, meta, scale)
+    for splits in (None, 3):
+        got = [baseline_with(q, kc, vc, meta, prefixes, scale, num_splits=splits, config=dict(SMALL_CTX, bt_ahead=a))
+               for a in (False, True)]
+        assert torch.equal(got[0], got[1])
+        assert rel_err(got[1], want) < TOL[dtype]
+    plain, ahead = (context_attention(q, kc, vc, meta, scale, config=dict(SMALL_CTX, bt_ahead=a)) for a in (False, True))
+    assert torch.equal(plain[0], ahead[0]) and torch.equal(plain[1], ahead[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_padding_rows_read_nothing_and_leave_the_other_rows_alone(dtype):
     """A decode row with context_len 0 is padding (a CUDA graph's rows past the batch):
     the baseline must not read its prefix (that would make --no-relay pay for padding),
