@@ -1,0 +1,123 @@
+"""A/B of the paged context kernel's software pipeline in whole jobs.
+
+Runs relay on one workload several times, alternating variants of the decode context
+tile that kernels/triton_context_attention.py's `paged_config` picks: `default`, or the
+same tile with more pipeline stages and/or `bt_ahead` (block ids read one iteration
+early, after which 3 stages double-buffer K/V; scripts/compile_report.py). Each run is a
+fresh engine (its warm-up captures its own CUDA graphs), and every run must generate the
+same greedy ids as the first (no variant changes the arithmetic). Prints each run, then per
+variant the median of requests/s, of the share of the floor reached by steps of batch 64
+and more, and of the median step at batch 1-16; writes JSON under $OUT.
+
+    python scripts/device_ab_context.py [--model dummy:llama3-8b] [--system 2048] [--requests 500]
+        [--max-batch 256] [--repeats 3] [--variants default,bt3,s5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import triton_context_attention as tca  # noqa: E402
+from models.registry import load_model  # noqa: E402
+from relaycli.bench.e2e import run_engine  # noqa: E402
+from relaycli.bench.roofline import ModelShape, measure_ceilings, price_decode  # noqa: E402
+from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
+from relaycli.compile import prefix_from_ids  # noqa: E402
+
+# what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config
+VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict(num_stages=4, bt_ahead=True),
+            "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True)}
+
+
+def patched_config(change: dict):
+    original = tca.paged_config
+
+    def config(rows_per_seq, head_dim, device, elem=2, keys=1 << 30):
+        cfg = original(rows_per_seq, head_dim, device, elem, keys)
+        return dict(cfg, **change) if cfg["BLOCK_M"] <= 16 else cfg
+    return original, config
+
+
+def percent(fraction: float | None) -> str:
+    return "    -" if fraction is None else f"{100 * fraction:5.1f}%"
+
+
+def small_batch_step(row: dict) -> float | None:
+    """Median time in ms of the decode steps of at most 16 sequences (the log: batch, context, seconds)."""
+    times = [t for batch, _, t in row.get("decode_step_log", []) if batch <= 16]
+    return statistics.median(times) * 1e3 if times else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama3-8b")
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="default,bt3,s5")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    lm = load_model(args.model, args.dtype, args.device, seed=0)
+    spec = get_workload("sharegpt")
+    shapes = make_requests(spec, args.requests, 0, None)
+    need = args.system + max(r.input_len + r.output_len for r in shapes)
+    lm.config.max_position_embeddings = max(lm.config.max_position_embeddings, need)
+    rng = random.Random(1)
+    vocab = lm.config.vocab_size
+    own_ids = [[rng.randrange(vocab) for _ in range(r.input_len)] for r in shapes]
+    prefix = prefix_from_ids(lm, [rng.randrange(vocab) for _ in range(args.system)], "ab") if args.system else None
+    ceil = measure_ceilings(lm.model.device, lm.model.dtype)
+    shape = ModelShape.from_config(lm.config, lm.model.dtype.itemsize)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    first_ids = None  # pipeline depth and bt_ahead change no arithmetic: every run's greedy ids must match
+    for rep in range(args.repeats):
+        for name in variants:
+            original, config = patched_config(VARIANTS[name])
+            tca.paged_config = config
+            try:
+                row = run_engine(lm, prefix, shapes, own_ids, args.max_batch, True, None)
+            finally:
+                tca.paged_config = original
+            ids = row.pop("_ids", None)
+            first_ids = first_ids if first_ids is not None else ids
+            row["same_ids_as_first_run"] = ids == first_ids
+            price_decode(row, shape, args.system, ceil, input_lens=[r.input_len for r in shapes])
+            row["small_batch_step_ms"] = small_batch_step(row)
+            row.pop("decode_step_log", None)
+            runs[name].append(row)
+            print(f"run {rep + 1} {name:8s} {row['requests_per_s']:7.2f} req/s  batch>=64 "
+                  f"{percent(row.get('large_batch_floor_fraction'))} of floor  step p50 at batch 1-16 "
+                  f"{row['small_batch_step_ms'] or float('nan'):6.2f} ms  exact={row['exact_lengths']} "
+                  f"same ids={row['same_ids_as_first_run']}", flush=True)
+    summary = {}
+    for name, rows in runs.items():
+        large = [r["large_batch_floor_fraction"] for r in rows if r.get("large_batch_floor_fraction") is not None]
+        summary[name] = dict(
+            requests_per_s=statistics.median(r["requests_per_s"] for r in rows),
+            large_batch_floor_fraction=statistics.median(large) if large else None,
+            small_batch_step_ms=statistics.median(r["small_batch_step_ms"] or float("nan") for r in rows))
+        s = summary[name]
+        print(f"median {name:8s} {s['requests_per_s']:7.2f} req/s  batch>=64 {percent(s['large_batch_floor_fraction'])}"
+              f"  step p50 at batch 1-16 {s['small_batch_step_ms']:6.2f} ms  ({len(rows)} runs)", flush=True)
+    out = Path(os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab_context.json").write_text(json.dumps(dict(args=vars(args), variants={v: VARIANTS[v] for v in variants},
+                                                         summary=summary, runs=runs), indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
