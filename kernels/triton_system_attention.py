@@ -165,19 +165,28 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
 def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
                   stride_ps, stride_pn, stride_ph, stride_qs, stride_qn,
                   stride_on, stride_oh, stride_ln,
-                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads."""
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr):
+    """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads.
+
+    A decode step has few rows, so few programs, each walking the splits in turn; Triton
+    does not pipeline that loop, so each split's loads would wait a full memory latency.
+    UNROLL splits are loaded together (in flight at once) and merged in split order; a
+    split past the count merges as lse = -inf, which leaves (o, lse) exactly as it was.
+    """
     n = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     offs_d = tl.arange(0, D)
     o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(pl_ptr + s * stride_qs + n * stride_qn + heads, mask=hmask, other=float("-inf"))
-        o_s = tl.load(po_ptr + s * stride_ps + n * stride_pn + heads[:, None] * stride_ph + offs_d[None, :],
-                      mask=hmask[:, None], other=0.0)
-        o, lse = _merge_pair(o, lse, o_s, lse_s)
+    for s0 in range(0, num_splits, UNROLL):
+        for u in tl.static_range(UNROLL):
+            s = s0 + u
+            ok = hmask & ((heads * 0 + s) < num_splits)  # a tensor compare: s may be a plain int
+            lse_s = tl.load(pl_ptr + s * stride_qs + n * stride_qn + heads, mask=ok, other=float("-inf"))
+            o_s = tl.load(po_ptr + s * stride_ps + n * stride_pn + heads[:, None] * stride_ph + offs_d[None, :],
+                          mask=ok[:, None], other=0.0)
+            o, lse = _merge_pair(o, lse, o_s, lse_s)
     tl.store(o_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
     if WRITE_LSE:
@@ -258,8 +267,11 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,
-                   with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32."""
+                   with_lse: bool = True, unroll: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32.
+
+    unroll: splits whose loads are in flight together (the same bits for any value)."""
+    assert unroll >= 1, f"unroll must be at least 1, got {unroll}"
     splits, n, heads, d = o_part.shape
     o = torch.empty(n, heads, d, dtype=out_dtype, device=o_part.device)
     lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
@@ -270,7 +282,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
         o_part, lse_part, o, lse if with_lse else o, splits, heads,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,
-        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, num_warps=4)
+        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, UNROLL=unroll, num_warps=4)
     return o, lse
 
 

@@ -3,7 +3,8 @@
 Runs relay on one workload several times, alternating variants of the decode context
 tile that kernels/triton_context_attention.py's `paged_config` picks: `default`, or the
 same tile with more pipeline stages and/or `bt_ahead` (block ids read one iteration
-early, after which 3 stages double-buffer K/V; scripts/compile_report.py). Each run is a
+early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merge1`
+merges the relay partials one split at a time (the default loads 4 at once). Each run is a
 fresh engine (its warm-up captures its own CUDA graphs), and every run must generate the
 same greedy ids as the first (no variant changes the arithmetic). Prints each run, then per
 variant the median of requests/s, of the share of the floor reached by steps of batch 64
@@ -16,34 +17,48 @@ and more, and of the median step at batch 1-16; writes JSON under $OUT.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import triton_context_attention as tca  # noqa: E402
+from kernels import triton_ops  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.roofline import ModelShape, measure_ceilings, price_decode  # noqa: E402
 from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
 from relaycli.compile import prefix_from_ids  # noqa: E402
 
-# what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config
+# what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config, or
+# the merge of relay's partials
 VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict(num_stages=4, bt_ahead=True),
-            "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True)}
+            "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True), "merge1": dict(merge_unroll=1)}
 
 
-def patched_config(change: dict):
-    original = tca.paged_config
+@contextmanager
+def variant(change: dict):
+    """paged_config and relay's merge as the variant has them, for the duration of a run."""
+    change = dict(change)
+    unroll = change.pop("merge_unroll", None)
+    config, merge = tca.paged_config, triton_ops.merge_partials
 
-    def config(rows_per_seq, head_dim, device, elem=2, keys=1 << 30):
-        cfg = original(rows_per_seq, head_dim, device, elem, keys)
+    def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30):
+        cfg = config(rows_per_seq, head_dim, device, elem, keys)
         return dict(cfg, **change) if cfg["BLOCK_M"] <= 16 else cfg
-    return original, config
+    tca.paged_config = tile
+    if unroll is not None:
+        triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
+    try:
+        yield
+    finally:
+        tca.paged_config, triton_ops.merge_partials = config, merge
 
 
 def percent(fraction: float | None) -> str:
@@ -86,12 +101,8 @@ def main() -> None:
     first_ids = None  # pipeline depth and bt_ahead change no arithmetic: every run's greedy ids must match
     for rep in range(args.repeats):
         for name in variants:
-            original, config = patched_config(VARIANTS[name])
-            tca.paged_config = config
-            try:
+            with variant(VARIANTS[name]):
                 row = run_engine(lm, prefix, shapes, own_ids, args.max_batch, True, None)
-            finally:
-                tca.paged_config = original
             ids = row.pop("_ids", None)
             first_ids = first_ids if first_ids is not None else ids
             row["same_ids_as_first_run"] = ids == first_ids

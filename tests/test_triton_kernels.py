@@ -211,6 +211,32 @@ def test_block_ids_read_ahead_give_the_same_bits(dtype, decode):
     assert torch.equal(plain[0], ahead[0]) and torch.equal(plain[1], ahead[1])
 
 
+@pytest.mark.parametrize("splits", [1, 3, 4, 9])
+def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits):
+    """The merge is the softmax over all splits' keys: o = sum_s exp(lse_s - lse) o_s with
+    lse = logsumexp_s lse_s; a split with lse = -inf adds nothing even if its o is NaN, a
+    row whose splits are all empty gives (0, -inf); loading 1, 3 or 4 splits at a time
+    gives the same bits."""
+    n, heads, d = 5, 6, 32
+    o_part = torch.randn(splits, n, heads, d, device=DEVICE)
+    lse_part = torch.randn(splits, n, heads, device=DEVICE) * 4
+    empty = torch.rand(splits, n, heads, device=DEVICE) < 0.3
+    lse_part[empty] = float("-inf")
+    o_part[empty] = float("nan")
+    lse_part[:, 0, 0] = float("-inf")  # a row with no keys at all
+    got = {u: merge_partials(o_part, lse_part, torch.float32, unroll=u) for u in (1, 3, 4)}
+    for u in (3, 4):
+        assert torch.equal(got[u][0], got[1][0]) and torch.equal(got[u][1], got[1][1])
+    o, lse = got[1]
+    lse64 = lse_part.double().cpu()
+    want_lse = torch.logsumexp(lse64, dim=0)
+    w = torch.exp(lse64 - torch.where(torch.isneginf(want_lse), 0.0, want_lse)).nan_to_num(0.0)
+    want_o = (w[..., None] * o_part.double().cpu().nan_to_num(0.0)).sum(0)
+    assert torch.equal(lse[0, 0].cpu(), torch.tensor(float("-inf"))) and torch.all(o[0, 0] == 0)
+    assert torch.allclose(lse.cpu().double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(o.cpu().double(), want_o, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_padding_rows_read_nothing_and_leave_the_other_rows_alone(dtype):
     """A decode row with context_len 0 is padding (a CUDA graph's rows past the batch):
