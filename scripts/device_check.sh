@@ -7,7 +7,10 @@
 # are three more parts (3-4 minutes each on an H200), one device call apiece: l2-2048 (llama2
 # S = 2,048 relay and --no-relay, then relay at 512 and 16,384), l2-8192 (S = 8,192 relay
 # and --no-relay) and l3 (llama3 S = 2,048 relay, --no-relay and transformers on 32 requests).
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3 ...]
+# The pipeline part (at most 9.5 minutes, one device call) times the context kernel's pipeline variants (5 stages,
+# bt_ahead) alone at a job tail's and at full batches' shapes, then in whole llama3 jobs
+# against the default and the one-split-at-a-time merge (scripts/device_ab_context.py).
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +49,14 @@ for part in "${parts[@]}"; do
     l3)
       bench 540 --model dummy:llama3-8b --system-tokens 2048 --systems relay,no-relay,hf --hf-requests 32 \
         --json "$OUT/l3_2048.json" ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3)"; exit 2 ;;
+    pipeline)
+      timeout 120 python3 scripts/device_context_sweep.py --models llama3-8b --batches 8,16 --own 900,1100 \
+        2>&1 | tee "$OUT/context_tail.log" | grep BEST
+      timeout 120 python3 scripts/device_context_sweep.py --models llama3-8b --batches 64,256 --own 16,800 \
+        2>&1 | tee "$OUT/context_full.log" | grep BEST
+      timeout 330 python3 scripts/device_ab_context.py --repeats 2 --variants default,bt3,s5,merge1 \
+        2>&1 | tee "$OUT/ab_context.log" | tail -6 ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1
