@@ -7,9 +7,10 @@
 # are three more parts (3-4 minutes each on an H200), one device call apiece: l2-2048 (llama2
 # S = 2,048 relay and --no-relay, then relay at 512 and 16,384), l2-8192 (S = 8,192 relay
 # and --no-relay) and l3 (llama3 S = 2,048 relay, --no-relay and transformers on 32 requests).
-# The pipeline part (at most 9.5 minutes, one device call) times the context kernel's pipeline variants (5 stages,
-# bt_ahead) alone at a job tail's and at full batches' shapes, then in whole llama3 jobs
-# against the default and the one-split-at-a-time merge (scripts/device_ab_context.py).
+# The pipeline part (at most 9.5 minutes, one device call) times the context kernel's
+# pipeline variants (5 stages, bt_ahead) alone at a job tail's and at full batches' shapes,
+# then in whole llama3 jobs against the default and the one-split-at-a-time merge
+# (scripts/device_ab_context.py).
 # Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline ...]
 #        (default: the first four)
 set -uo pipefail
