@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
 from kernels.triton_plan import fit_smem, split_plan
-from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_pair, _online_block
+from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
 
 @triton.jit
@@ -137,19 +137,10 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     acc, m_i, l_i = _paged_loop(acc, m_i, l_i, q, qpos, kc, vc, bt_row, o_mid, o_hi, qk_scale,
                                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE, D, BLOCK_N, True, IEEE, BT_AHEAD)
     o, lse = _finish(acc, m_i, l_i)
-    # relay fusion: fold in every split of the system step, then write once. The split
-    # count is a runtime value (a constexpr would compile a variant per count, inside a
-    # running job); chunks of SYS_UNROLL keep several splits' loads in flight, and a
-    # masked-off split merges as lse = -inf, which adds nothing.
+    # relay fusion: fold in every split of the system step, then write once
     if HAS_SYS:
-        for s0 in range(0, sys_splits, SYS_UNROLL):
-            for j in tl.static_range(SYS_UNROLL):
-                s = s0 + j
-                ok = rmask & ((i * 0 + s) < sys_splits)  # a tensor compare: s may be a plain int
-                lse_s = tl.load(sl_ptr + s * stride_sls + row * stride_sln + head, mask=ok, other=float("-inf"))
-                o_s = tl.load(so_ptr + s * stride_sos + (row * stride_son + head * stride_soh)[:, None]
-                              + offs_d[None, :], mask=ok[:, None], other=0.0)
-                o, lse = _merge_pair(o_s.to(tl.float32), lse_s, o, lse)
+        o, lse = _merge_splits(o, lse, so_ptr, sl_ptr, row * stride_son + head * stride_soh,
+                               row * stride_sln + head, stride_sos, stride_sls, sys_splits, rmask, D, SYS_UNROLL)
     slot = split_base + split
     o_off = slot * stride_os + row * stride_on + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])

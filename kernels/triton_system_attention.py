@@ -106,6 +106,29 @@ def _merge_pair(o_a, lse_a, o_b, lse_b):
 
 
 @triton.jit
+def _merge_splits(o, lse, po_ptr, pl_ptr, o_off, lse_off, stride_o_split, stride_l_split, num_splits, mask,
+                  D: tl.constexpr, UNROLL: tl.constexpr):
+    """Fold partials 0..num_splits-1 into (o [R, D] fp32, lse [R]), in split order.
+
+    Row r's partial s is at po_ptr + s * stride_o_split + o_off[r] (D values) and
+    pl_ptr + s * stride_l_split + lse_off[r]. The count is a runtime value (a constexpr
+    would compile a variant per count, inside a running job), and Triton does not
+    pipeline this loop: UNROLL splits are loaded together so their loads are in flight
+    at once, and a split past the count merges as lse = -inf, which leaves (o, lse)
+    exactly as it was (_merge_pair is symmetric to the bit).
+    """
+    offs_d = tl.arange(0, D)
+    for s0 in range(0, num_splits, UNROLL):
+        for u in tl.static_range(UNROLL):
+            s = s0 + u
+            ok = mask & ((lse_off * 0 + s) < num_splits)  # a tensor compare: s may be a plain int
+            lse_s = tl.load(pl_ptr + s * stride_l_split + lse_off, mask=ok, other=float("-inf"))
+            o_s = tl.load(po_ptr + s * stride_o_split + o_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            o, lse = _merge_pair(o, lse, o_s.to(tl.float32), lse_s)
+    return o, lse
+
+
+@triton.jit
 def _system_program(pid_m, h, split, q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                     n_queries, seq_len, keys_per_split, qk_scale,
                     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -168,10 +191,8 @@ def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
                   D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr):
     """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads.
 
-    A decode step has few rows, so few programs, each walking the splits in turn; Triton
-    does not pipeline that loop, so each split's loads would wait a full memory latency.
-    UNROLL splits are loaded together (in flight at once) and merged in split order; a
-    split past the count merges as lse = -inf, which leaves (o, lse) exactly as it was.
+    A decode step has few rows, so few programs, each walking the splits in turn: UNROLL
+    of them are loaded at once (_merge_splits).
     """
     n = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -179,14 +200,8 @@ def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
     offs_d = tl.arange(0, D)
     o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, UNROLL):
-        for u in tl.static_range(UNROLL):
-            s = s0 + u
-            ok = hmask & ((heads * 0 + s) < num_splits)  # a tensor compare: s may be a plain int
-            lse_s = tl.load(pl_ptr + s * stride_qs + n * stride_qn + heads, mask=ok, other=float("-inf"))
-            o_s = tl.load(po_ptr + s * stride_ps + n * stride_pn + heads[:, None] * stride_ph + offs_d[None, :],
-                          mask=ok[:, None], other=0.0)
-            o, lse = _merge_pair(o, lse, o_s, lse_s)
+    o, lse = _merge_splits(o, lse, po_ptr, pl_ptr, n * stride_pn + heads * stride_ph, n * stride_qn + heads,
+                           stride_ps, stride_qs, num_splits, hmask, D, UNROLL)
     tl.store(o_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
     if WRITE_LSE:
