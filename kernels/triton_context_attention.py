@@ -239,6 +239,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // hkv
     assert out.dim() == 4 and out.shape[1:] == q.shape and out.stride(-1) == 1, "out must be [splits, N, Hq, D]"
+    assert num_splits >= 1, f"num_splits must be at least 1, got {num_splits}"
     assert split_base + num_splits <= out.shape[0], "out has too few split slots"
     assert sys_part is None or num_splits == 1, "the relay epilogue needs the whole context range in one program"
     if lse is not None:

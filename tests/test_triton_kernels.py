@@ -364,6 +364,10 @@ def test_launchers_reject_bad_inputs():
         system_attention(q, prefixes[0][0][:, :, :8], prefixes[0][1], scale)
     with pytest.raises(AssertionError, match="slot_mapping"):
         write_kv(kc, vc, q[:, :kc.shape[2]], q[:, :kc.shape[2]], meta.slot_mapping.int())
+    with pytest.raises(AssertionError, match="num_splits must be at least 1"):
+        paged_attention(q, kc, vc, meta, scale, out=torch.empty(1, *q.shape, device=DEVICE), num_splits=0)
+    with pytest.raises(AssertionError, match="unroll must be at least 1"):
+        merge_partials(torch.zeros(2, 1, 1, 16, device=DEVICE), torch.zeros(2, 1, 1, device=DEVICE), q.dtype, unroll=0)
 
 
 @gpu
