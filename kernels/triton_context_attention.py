@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_plan import fit_smem, split_plan
+from kernels.triton_plan import fit_smem, num_sms, split_plan
 from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
 
@@ -202,20 +202,31 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
 
 
 def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2,
-                 keys: int = 1 << 30) -> dict:
+                 keys: int = 1 << 30, num_programs: int | None = None) -> dict:
     """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM.
 
     A decode program over few keys (relay's own keys) is latency-bound: 32-key tiles and
     2 warps let more programs share an SM (H200: 5-12% faster at 128 keys). Long key
     ranges (the baseline) stream best with 64-key tiles and 4 warps.
+
+    num_programs: sequences x KV heads of the launch (None: as many as fill the chip).
+    A decode grid of at most two programs per multiprocessor (a job's tail) has no
+    other programs to hide a tile's load behind, so its tiles read their block ids a
+    tile ahead (bt_ahead) and keep the next K/V tile in flight at 3 stages. A fuller
+    grid keeps 2 stages: there the deeper pipeline's shared memory cost more than it
+    hid. H200, whole llama3 jobs, three calls against 2 stages everywhere: the median
+    step at batch 1-16 5.41 against 5.68 ms (every call), steps at batch >= 64 at
+    +0.7, -1.1 and -1.6 points of the floor (docs/benchmarks.md, tenth session).
     """
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
+    is_small_grid = num_programs is not None and num_programs <= 2 * num_sms(device)
+    ahead = dict(num_stages=3, bt_ahead=True) if block_m <= 16 and is_small_grid else dict(num_stages=2)
     if block_m >= 128:
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1)
     elif block_m <= 16 and keys <= 512:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=2, per_sm=4)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, per_sm=4, **ahead)
     else:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2, per_sm=4)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, per_sm=4, **ahead)
     return fit_smem(cfg, head_dim, elem)
 
 
@@ -259,7 +270,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
     keys = -(-(meta.max_context_len + (prefix[0].shape[0] if prefix is not None else 0)) // num_splits)
-    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys))
+    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys,
+                                      meta.num_seqs * hkv))
     cfg.pop("per_sm", None)
     heads_fast = cfg.pop("heads_fast", prefix is None)
     bt_ahead = cfg.pop("bt_ahead", False)
@@ -313,7 +325,7 @@ def context_splits(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, 
     group = q.shape[1] // num_kv_heads
     device = q.device
     cfg = config or paged_config(meta.max_seqlen_q * group, q.shape[2], device, q.element_size(),
-                                 extra_keys + meta.max_context_len)
+                                 extra_keys + meta.max_context_len, meta.num_seqs * num_kv_heads)
     programs = meta.num_seqs * num_kv_heads * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
     return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
                       min_keys=512, per_sm=cfg.get("per_sm", 1))[0]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.triton_plan import split_plan, system_config, tma_ok
+from kernels.triton_plan import merge_unroll, split_plan, system_config, tma_ok
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -282,18 +282,22 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,
-                   with_lse: bool = True, unroll: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_lse: bool = True, unroll: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32.
 
-    unroll: splits whose loads are in flight together (the same bits for any value)."""
-    assert unroll >= 1, f"unroll must be at least 1, got {unroll}"
+    unroll: splits whose loads are in flight together (the same bits for any value);
+    None: triton_plan.merge_unroll's choice for the grid."""
+    assert unroll is None or unroll >= 1, f"unroll must be at least 1, got {unroll}"
     splits, n, heads, d = o_part.shape
     o = torch.empty(n, heads, d, dtype=out_dtype, device=o_part.device)
     lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
     if n == 0:
         return o, lse
     block_h = min(triton.next_power_of_2(heads), max(1, 2048 // d))
-    _merge_kernel[(n, triton.cdiv(heads, block_h))](
+    grid = (n, triton.cdiv(heads, block_h))
+    if unroll is None:
+        unroll = merge_unroll(grid[0] * grid[1], o_part.device)
+    _merge_kernel[grid](
         o_part, lse_part, o, lse if with_lse else o, splits, heads,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,

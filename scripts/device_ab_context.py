@@ -3,8 +3,9 @@
 Runs relay on one workload several times, alternating variants of the decode context
 tile that kernels/triton_context_attention.py's `paged_config` picks: `default`, or the
 same tile with more pipeline stages and/or `bt_ahead` (block ids read one iteration
-early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merge1`
-merges the relay partials one split at a time (the default loads 4 at once). Each run is a
+early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merge1` and
+`merge4` merge the relay partials one or four splits at a time (the default picks by the
+grid: triton_plan.merge_unroll). `a+b` combines two variants' changes. Each run is a
 fresh engine (its warm-up captures its own CUDA graphs), and every run must generate the
 same greedy ids as the first (no variant changes the arithmetic). Prints each run, then per
 variant the median of requests/s, of the share of the floor reached by steps of batch 64
@@ -39,7 +40,18 @@ from relaycli.compile import prefix_from_ids  # noqa: E402
 # what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config, or
 # the merge of relay's partials
 VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict(num_stages=4, bt_ahead=True),
-            "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True), "merge1": dict(merge_unroll=1)}
+            "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True), "merge1": dict(merge_unroll=1),
+            "merge4": dict(merge_unroll=4), "s2": dict(num_stages=2, bt_ahead=False)}
+
+
+def resolve(name: str) -> dict:
+    """A variant's changes; `a+b` applies both (the later one wins on a shared key)."""
+    change: dict = {}
+    for part in name.split("+"):
+        if part not in VARIANTS:
+            raise SystemExit(f"unknown variant {part!r}; choose from {', '.join(VARIANTS)} (joined by +)")
+        change.update(VARIANTS[part])
+    return change
 
 
 @contextmanager
@@ -49,8 +61,8 @@ def variant(change: dict):
     unroll = change.pop("merge_unroll", None)
     config, merge = tca.paged_config, triton_ops.merge_partials
 
-    def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30):
-        cfg = config(rows_per_seq, head_dim, device, elem, keys)
+    def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
+        cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs)
         return dict(cfg, **change) if cfg["BLOCK_M"] <= 16 else cfg
     tca.paged_config = tile
     if unroll is not None:
@@ -83,9 +95,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    changes = {v: resolve(v) for v in variants}
     lm = load_model(args.model, args.dtype, args.device, seed=0)
     spec = get_workload("sharegpt")
     shapes = make_requests(spec, args.requests, 0, None)
@@ -101,7 +111,7 @@ def main() -> None:
     first_ids = None  # pipeline depth and bt_ahead change no arithmetic: every run's greedy ids must match
     for rep in range(args.repeats):
         for name in variants:
-            with variant(VARIANTS[name]):
+            with variant(changes[name]):
                 row = run_engine(lm, prefix, shapes, own_ids, args.max_batch, True, None)
             ids = row.pop("_ids", None)
             first_ids = first_ids if first_ids is not None else ids
@@ -110,7 +120,7 @@ def main() -> None:
             row["small_batch_step_ms"] = small_batch_step(row)
             row.pop("decode_step_log", None)
             runs[name].append(row)
-            print(f"run {rep + 1} {name:8s} {row['requests_per_s']:7.2f} req/s  batch>=64 "
+            print(f"run {rep + 1} {name:12s} {row['requests_per_s']:7.2f} req/s  batch>=64 "
                   f"{percent(row.get('large_batch_floor_fraction'))} of floor  step p50 at batch 1-16 "
                   f"{row['small_batch_step_ms'] or float('nan'):6.2f} ms  exact={row['exact_lengths']} "
                   f"same ids={row['same_ids_as_first_run']}", flush=True)
@@ -122,11 +132,11 @@ def main() -> None:
             large_batch_floor_fraction=statistics.median(large) if large else None,
             small_batch_step_ms=statistics.median(r["small_batch_step_ms"] or float("nan") for r in rows))
         s = summary[name]
-        print(f"median {name:8s} {s['requests_per_s']:7.2f} req/s  batch>=64 {percent(s['large_batch_floor_fraction'])}"
+        print(f"median {name:12s} {s['requests_per_s']:7.2f} req/s  batch>=64 {percent(s['large_batch_floor_fraction'])}"
               f"  step p50 at batch 1-16 {s['small_batch_step_ms']:6.2f} ms  ({len(rows)} runs)", flush=True)
     out = Path(os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_context.json").write_text(json.dumps(dict(args=vars(args), variants={v: VARIANTS[v] for v in variants},
+    (out / "ab_context.json").write_text(json.dumps(dict(args=vars(args), variants=changes,
                                                          summary=summary, runs=runs), indent=1, default=str))
 
 

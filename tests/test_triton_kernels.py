@@ -215,8 +215,8 @@ def test_block_ids_read_ahead_give_the_same_bits(dtype, decode):
 def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits):
     """The merge is the softmax over all splits' keys: o = sum_s exp(lse_s - lse) o_s with
     lse = logsumexp_s lse_s; a split with lse = -inf adds nothing even if its o is NaN, a
-    row whose splits are all empty gives (0, -inf); loading 1, 3 or 4 splits at a time
-    gives the same bits."""
+    row whose splits are all empty gives (0, -inf); loading 1, 3 or 4 splits at a time,
+    or as many as the plan picks for the grid, gives the same bits."""
     n, heads, d = 5, 6, 32
     o_part = torch.randn(splits, n, heads, d, device=DEVICE)
     lse_part = torch.randn(splits, n, heads, device=DEVICE) * 4
@@ -224,8 +224,8 @@ def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits
     lse_part[empty] = float("-inf")
     o_part[empty] = float("nan")
     lse_part[:, 0, 0] = float("-inf")  # a row with no keys at all
-    got = {u: merge_partials(o_part, lse_part, torch.float32, unroll=u) for u in (1, 3, 4)}
-    for u in (3, 4):
+    got = {u: merge_partials(o_part, lse_part, torch.float32, unroll=u) for u in (1, 3, 4, None)}
+    for u in (3, 4, None):
         assert torch.equal(got[u][0], got[1][0]) and torch.equal(got[u][1], got[1][1])
     o, lse = got[1]
     lse64 = lse_part.double().cpu()
@@ -471,6 +471,27 @@ def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
     for got in (eager, o):
         assert rel_err(got, want_o) < TOL[torch.bfloat16]
     assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_decode_tiles_read_block_ids_ahead_only_on_grids_that_leave_the_chip_idle():
+    from kernels.triton_context_attention import paged_config
+    from kernels.triton_plan import num_sms
+    dev = torch.device("cpu")
+    slots = 2 * num_sms(dev)
+    for keys in (128, 4096):  # the 32-key and the 64-key decode tiles
+        small = paged_config(4, 64, dev, 2, keys, num_programs=slots)
+        assert small["bt_ahead"] and small["num_stages"] == 3, small
+        for full in (paged_config(4, 64, dev, 2, keys, num_programs=slots + 1), paged_config(4, 64, dev, 2, keys)):
+            assert not full.get("bt_ahead") and full["num_stages"] == 2, full
+    assert not paged_config(32, 64, dev, 2, 4096, num_programs=1).get("bt_ahead")  # prefill rows: unchanged
+
+
+def test_merge_unroll_keeps_loads_in_flight_only_for_grids_that_leave_the_chip_idle():
+    from kernels.triton_plan import merge_unroll, num_sms
+    dev = torch.device("cpu")
+    slots = 2 * num_sms(dev)
+    assert merge_unroll(1, dev) == 4 and merge_unroll(slots - 1, dev) == 4
+    assert merge_unroll(slots, dev) == 1 and merge_unroll(100 * slots, dev) == 1
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
