@@ -10,10 +10,11 @@ consumed and waited for at once: nothing is in flight while the program computes
 block-table lookup in front of every K/V load costs the pipeline a stage, so with
 Triton 3.6 that is the case for num_stages 2-4 and double buffering starts at 5.
 
-A config ending in ":a" sets bt_ahead (the block ids read one iteration early), with
-which 3 stages double-buffer K/V. Needs a Triton wheel with the NVIDIA backend (its ptxas
-and cuobjdump); no CUDA device.
-    python scripts/compile_report.py [--configs 32:2:2,32:2:3:a,64:4:5] [--group 4] [--head-dim 128]
+Flags after a config: ":a" sets bt_ahead (the block ids read one iteration early), with
+which 3 stages double-buffer K/V; ":s" compiles the relay epilogue (HAS_SYS: the system
+partials merged before o is written). Needs a Triton wheel with the NVIDIA backend (its
+ptxas and cuobjdump); no CUDA device.
+    python scripts/compile_report.py [--configs 32:2:2,32:2:3:a,64:4:5,32:2:2:s] [--group 4] [--head-dim 128]
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return int(re.search(r"REG:(\d+)", line).group(1)), int(re.search(r"STACK:(\d+)", line).group(1))
 
 
-def report(block_n: int, num_warps: int, num_stages: int, bt_ahead: bool, group: int, head_dim: int) -> str:
+def report(block_n: int, num_warps: int, num_stages: int, bt_ahead: bool, has_sys: bool, group: int,
+           head_dim: int) -> str:
     consts = dict(G=group, D=head_dim, BLOCK_M=16, BLOCK_N=block_n, PAGE=16, HAS_PREFIX=False, FILTER=False,
-                  HEADS_FAST=True, HAS_SYS=False, SYS_UNROLL=4, WRITE_LSE=True, IEEE=False, BT_AHEAD=bt_ahead)
+                  HEADS_FAST=True, HAS_SYS=has_sys, SYS_UNROLL=4, WRITE_LSE=not has_sys, IEEE=False,
+                  BT_AHEAD=bt_ahead)
     sig, attrs = signature(_paged_kernel, consts)
     src = ASTSource(fn=_paged_kernel, signature=sig, attrs=attrs,
                     constexprs={(_paged_kernel.arg_names.index(k),): v for k, v in consts.items()})
@@ -78,7 +81,8 @@ def report(block_n: int, num_warps: int, num_stages: int, bt_ahead: bool, group:
     ir = k.asm["ttgir"]
     buffers = sorted({int(n) for n in re.findall(rf"memdesc<(\d+)x{block_n}x{head_dim}x", ir)})
     waits = sorted({int(n) for n in re.findall(r"async_wait[^{]*\{num = (\d+)", ir)})
-    return (f"BLOCK_N {block_n:3d} warps {num_warps} stages {num_stages}{' bt_ahead' if bt_ahead else '         '}: "
+    flags = (" bt_ahead" if bt_ahead else " " * 9) + (" relay epilogue" if has_sys else " " * 15)
+    return (f"BLOCK_N {block_n:3d} warps {num_warps} stages {num_stages}{flags}: "
             f"registers {regs:3d} stack {stack:4d} B "
             f"shared {k.metadata.shared / 1024:5.1f} KiB  K/V buffers {buffers}  async_wait num {waits}")
 
@@ -86,7 +90,7 @@ def report(block_n: int, num_warps: int, num_stages: int, bt_ahead: bool, group:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="32:2:2,32:2:3,32:2:5,32:2:3:a,64:4:2,64:4:3,64:4:5,64:4:3:a",
-                    help="BLOCK_N:num_warps:num_stages[:a], comma-separated (a: bt_ahead)")
+                    help="BLOCK_N:num_warps:num_stages[:a][:s], comma-separated (a: bt_ahead, s: relay epilogue)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (llama3-8b: 4)")
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
@@ -95,7 +99,11 @@ def main() -> None:
     for item in args.configs.split(","):
         fields = item.split(":")
         block_n, warps, stages = map(int, fields[:3])
-        print(report(block_n, warps, stages, fields[3:] == ["a"], args.group, args.head_dim), flush=True)
+        flags = fields[3:]
+        unknown = set(flags) - {"a", "s"}
+        if unknown:
+            raise SystemExit(f"unknown flag {sorted(unknown)[0]!r} in {item!r}: use a (bt_ahead) or s (relay epilogue)")
+        print(report(block_n, warps, stages, "a" in flags, "s" in flags, args.group, args.head_dim), flush=True)
 
 
 if __name__ == "__main__":
