@@ -5,7 +5,8 @@ tile that kernels/triton_context_attention.py's `paged_config` picks: `default`,
 same tile with more pipeline stages and/or `bt_ahead` (block ids read one iteration
 early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merge1` and
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
-grid: triton_plan.merge_unroll). `a+b` combines two variants' changes. Each run is a
+grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
+for paged_config to read block ids ahead. `a+b` combines two variants' changes. Each run is a
 fresh engine (its warm-up captures its own CUDA graphs), and every run must generate the
 same greedy ids as the first (no variant changes the arithmetic). Prints each run, then per
 variant the median of requests/s, of the share of the floor reached by steps of batch 64
@@ -41,7 +42,10 @@ from relaycli.compile import prefix_from_ids  # noqa: E402
 # the merge of relay's partials
 VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict(num_stages=4, bt_ahead=True),
             "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True), "merge1": dict(merge_unroll=1),
-            "merge4": dict(merge_unroll=4), "s2": dict(num_stages=2, bt_ahead=False)}
+            "merge4": dict(merge_unroll=4), "s2": dict(num_stages=2, bt_ahead=False),
+            # only the tiles paged_config gives small grids (those that read block ids ahead)
+            "small-s4": dict(small_only=True, num_stages=4),
+            "small-128": dict(small_only=True, BLOCK_N=128, num_warps=8, num_stages=3)}
 
 
 def resolve(name: str) -> dict:
@@ -59,11 +63,13 @@ def variant(change: dict):
     """paged_config and relay's merge as the variant has them, for the duration of a run."""
     change = dict(change)
     unroll = change.pop("merge_unroll", None)
+    small_only = change.pop("small_only", False)
     config, merge = tca.paged_config, triton_ops.merge_partials
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
         cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs)
-        return dict(cfg, **change) if cfg["BLOCK_M"] <= 16 else cfg
+        applies = cfg["BLOCK_M"] <= 16 and (cfg.get("bt_ahead", False) or not small_only)
+        return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)

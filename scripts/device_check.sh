@@ -8,8 +8,8 @@
 # S = 2,048 relay and --no-relay, then relay at 512 and 16,384), l2-8192 (S = 8,192 relay
 # and --no-relay) and l3 (llama3 S = 2,048 relay, --no-relay and transformers on 32 requests).
 # The pipeline part (at most 9.5 minutes, one device call) times the context kernel's
-# pipeline variants (5 stages, bt_ahead) alone at a job tail's and at full batches' shapes,
-# then in whole llama3 jobs against the default and the one-split-at-a-time merge
+# tiles alone at a job tail's and at full batches' shapes (deeper pipelines, bt_ahead,
+# 128-key tiles), then in whole llama3 jobs the tail's tiles against the default
 # (scripts/device_ab_context.py).
 # Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline ...]
 #        (default: the first four)
@@ -51,12 +51,14 @@ for part in "${parts[@]}"; do
       bench 540 --model dummy:llama3-8b --system-tokens 2048 --systems relay,no-relay,hf --hf-requests 32 \
         --json "$OUT/l3_2048.json" ;;
     pipeline)
-      timeout 120 python3 scripts/device_context_sweep.py --models llama3-8b --batches 8,16 --own 900,1100 \
+      timeout 150 python3 scripts/device_context_sweep.py --models llama3-8b --batches 8,16,32 --own 900,1100 \
+        --configs 32:2:2,32:2:3:a,64:4:2,64:4:3:a,64:4:4:a,64:4:5,128:4:2,128:4:3:a,128:8:3:a \
         2>&1 | tee "$OUT/context_tail.log" | grep BEST
-      timeout 120 python3 scripts/device_context_sweep.py --models llama3-8b --batches 64,256 --own 16,800 \
+      timeout 100 python3 scripts/device_context_sweep.py --models llama3-8b --batches 64,256 --own 16,800 \
+        --configs 32:2:2,32:2:3:a,64:4:2,64:4:3:a \
         2>&1 | tee "$OUT/context_full.log" | grep BEST
-      timeout 330 python3 scripts/device_ab_context.py --repeats 2 --variants default,bt3,s5,merge1 \
-        2>&1 | tee "$OUT/ab_context.log" | tail -6 ;;
+      timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,small-s4,small-128 \
+        2>&1 | tee "$OUT/ab_context.log" | tail -4 ;;
     *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline)"; exit 2 ;;
   esac
   rc=$?

@@ -45,8 +45,23 @@ CONFIGS = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
             (32, 4, 2), (32, 2, 1), (64, 2, 2), (64, 4, 2), (64, 2, 3), (64, 4, 3), (64, 4, 1), (128, 4, 2),
             (16, 2, 5), (32, 2, 5), (32, 4, 5), (64, 4, 5)]]  # 5 stages: K/V double-buffered (compile_report.py)
 # block ids read one iteration early: 3 stages double-buffer K/V, 4 triple-buffer them
+# (128-key tiles with it: 136 KiB, one program an SM, for grids that leave SMs idle)
 CONFIGS += [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, bt_ahead=True) for n, w, s in
-            [(32, 2, 2), (32, 2, 3), (32, 2, 4), (32, 4, 3), (64, 4, 3), (64, 4, 4), (16, 2, 3)]]
+            [(32, 2, 2), (32, 2, 3), (32, 2, 4), (32, 4, 3), (64, 4, 3), (64, 4, 4), (16, 2, 3), (128, 4, 3),
+             (128, 8, 3)]]
+
+
+def parse_configs(text: str) -> list[dict]:
+    """'64:4:3:a,128:8:2' -> decode tile configs (BLOCK_N:num_warps:num_stages, :a for bt_ahead)."""
+    configs = []
+    for item in text.split(","):
+        fields = item.split(":")
+        if len(fields) not in (3, 4) or (len(fields) == 4 and fields[3] != "a"):
+            raise SystemExit(f"bad config {item!r}: use BLOCK_N:num_warps:num_stages, with :a for bt_ahead")
+        block_n, warps, stages = map(int, fields[:3])
+        cfg = dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        configs.append(dict(cfg, bt_ahead=True) if len(fields) == 4 else cfg)
+    return configs
 
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
@@ -66,6 +81,8 @@ def main() -> None:
     ap.add_argument("--system", default="2048", help="shared prefix lengths (--overlap, --grid)")
     ap.add_argument("--grid", action="store_true", help="--overlap's two baselines against one-grid configs")
     ap.add_argument("--small", action="store_true", help="split counts at small batches (--batches 1,4,...)")
+    ap.add_argument("--configs", default=None,
+                    help="the context tiles to time, e.g. 64:4:3:a,128:8:3:a (default: the whole CONFIGS list)")
     ap.add_argument("--own", default=None,
                     help="own context lengths drawn from lo,hi (default 400,1200 with --small, else 16,800)")
     args = ap.parse_args()
@@ -116,8 +133,8 @@ def main() -> None:
             if args.graph_path:
                 results += graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil)
                 continue
-            default = paged_config(hq // hkv, d, dev, 2, 800)
-            for cfg in [None] + CONFIGS:
+            default = paged_config(hq // hkv, d, dev, 2, hi, batch * hkv)
+            for cfg in [None] + (parse_configs(args.configs) if args.configs else CONFIGS):
                 for heads_fast in (False, True):
                     c = dict(cfg or default, heads_fast=heads_fast)
                     c.pop("per_sm", None)
