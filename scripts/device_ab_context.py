@@ -6,8 +6,9 @@ same tile with more pipeline stages and/or `bt_ahead` (block ids read one iterat
 early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merge1` and
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
 grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
-for paged_config to read block ids ahead. `a+b` combines two variants' changes. Each run is a
-fresh engine (its warm-up captures its own CUDA graphs), and every run must generate the
+for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
+combines two variants' changes. Each run is a fresh engine (its warm-up captures its own
+CUDA graphs), and every run must generate the
 same greedy ids as the first (no variant changes the arithmetic). Prints each run, then per
 variant the median of requests/s, of the share of the floor reached by steps of batch 64
 and more, and of the median step at batch 1-16; writes JSON under $OUT.
@@ -45,7 +46,9 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "merge4": dict(merge_unroll=4), "s2": dict(num_stages=2, bt_ahead=False),
             # only the tiles paged_config gives small grids (those that read block ids ahead)
             "small-s4": dict(small_only=True, num_stages=4),
-            "small-128": dict(small_only=True, BLOCK_N=128, num_warps=8, num_stages=3)}
+            "small-128": dict(small_only=True, BLOCK_N=128, num_warps=8, num_stages=3),
+            # the 32-key tile fits six programs an SM with or without bt_ahead (registers bind)
+            "bt3-32": dict(block_n_only=32, num_stages=3, bt_ahead=True)}
 
 
 def resolve(name: str) -> dict:
@@ -64,11 +67,13 @@ def variant(change: dict):
     change = dict(change)
     unroll = change.pop("merge_unroll", None)
     small_only = change.pop("small_only", False)
+    block_n_only = change.pop("block_n_only", None)
     config, merge = tca.paged_config, triton_ops.merge_partials
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
         cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs)
-        applies = cfg["BLOCK_M"] <= 16 and (cfg.get("bt_ahead", False) or not small_only)
+        applies = (cfg["BLOCK_M"] <= 16 and (cfg.get("bt_ahead", False) or not small_only)
+                   and block_n_only in (None, cfg["BLOCK_N"]))
         return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
     if unroll is not None:

@@ -57,7 +57,7 @@ for part in "${parts[@]}"; do
       timeout 100 python3 scripts/device_context_sweep.py --models llama3-8b --batches 64,256 --own 16,800 \
         --configs 32:2:2,32:2:3:a,64:4:2,64:4:3:a \
         2>&1 | tee "$OUT/context_full.log" | grep BEST
-      timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,small-s4,small-128 \
+      timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,small-s4,small-128,bt3-32 \
         2>&1 | tee "$OUT/ab_context.log" | tail -4 ;;
     *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline)"; exit 2 ;;
   esac
