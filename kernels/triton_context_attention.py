@@ -209,24 +209,30 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     2 warps let more programs share an SM (H200: 5-12% faster at 128 keys). Long key
     ranges (the baseline) stream best with 64-key tiles and 4 warps.
 
-    num_programs: sequences x KV heads of the launch (None: as many as fill the chip).
-    A decode grid of at most two programs per multiprocessor (a job's tail) has no
-    other programs to hide a tile's load behind, so its tiles read their block ids a
-    tile ahead (bt_ahead) and keep the next K/V tile in flight at 3 stages. A fuller
-    grid keeps 2 stages: there the deeper pipeline's shared memory cost more than it
-    hid. H200, whole llama3 jobs, three calls against 2 stages everywhere: the median
-    step at batch 1-16 5.41 against 5.68 ms (every call), steps at batch >= 64 at
-    +0.7, -1.1 and -1.6 points of the floor (docs/benchmarks.md, tenth session).
+    num_programs: sequences x KV heads of the launch, before any split (None: as many as
+    fill the chip). At most two of them per multiprocessor is a job's tail: no other
+    programs hide a tile's load, so the decode tiles read their block ids a tile ahead
+    (bt_ahead) and keep the next K/V tile in flight at 3 stages. Fuller grids keep 2
+    stages: read-ahead takes the 64-key tile from 38 to 70 KiB of shared memory, three
+    programs an SM instead of four (per_sm, which the split plan uses). H200, whole
+    llama3 jobs, four calls against 2 stages everywhere: the median step at batch 1-16
+    5.41-5.48 against 5.68-5.74 ms in every call; read-ahead on every grid moved steps at
+    batch >= 64 by +0.7, -1.1, -1.6 and -0.5 points of the floor (docs/benchmarks.md,
+    tenth session). Only relay's context step was timed with it: the baseline's launches
+    pass None.
     """
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
-    is_small_grid = num_programs is not None and num_programs <= 2 * num_sms(device)
-    ahead = dict(num_stages=3, bt_ahead=True) if block_m <= 16 and is_small_grid else dict(num_stages=2)
+    ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
     if block_m >= 128:
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1)
-    elif block_m <= 16 and keys <= 512:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, per_sm=4, **ahead)
+    elif block_m <= 16 and keys <= 512:  # six programs an SM with or without read-ahead (registers)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3 if ahead else 2, per_sm=4)
+    elif ahead:
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=3)
     else:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, per_sm=4, **ahead)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2, per_sm=4)
+    if ahead:
+        cfg["bt_ahead"] = True
     return fit_smem(cfg, head_dim, elem)
 
 
@@ -270,8 +276,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
     keys = -(-(meta.max_context_len + (prefix[0].shape[0] if prefix is not None else 0)) // num_splits)
-    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys,
-                                      meta.num_seqs * hkv))
+    # the baseline's launches (a prefix, or a prefix group's filter) keep the full-grid
+    # tiles: read-ahead was timed on relay's context step only
+    programs = meta.num_seqs * hkv if prefix is None and seq_group is None else None
+    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys, programs))
     cfg.pop("per_sm", None)
     heads_fast = cfg.pop("heads_fast", prefix is None)
     bt_ahead = cfg.pop("bt_ahead", False)
@@ -324,8 +332,9 @@ def context_splits(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, 
     too few to fill the chip; planned for the longest, meta.max_context_len."""
     group = q.shape[1] // num_kv_heads
     device = q.device
+    programs = meta.num_seqs * num_kv_heads if extra_keys == 0 else None  # as paged_attention decides
     cfg = config or paged_config(meta.max_seqlen_q * group, q.shape[2], device, q.element_size(),
-                                 extra_keys + meta.max_context_len, meta.num_seqs * num_kv_heads)
+                                 extra_keys + meta.max_context_len, programs)
     programs = meta.num_seqs * num_kv_heads * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
     return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
                       min_keys=512, per_sm=cfg.get("per_sm", 1))[0]

@@ -59,14 +59,15 @@ def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> d
 def merge_unroll(programs: int, device: torch.device) -> int:
     """Splits the merge kernel loads at once (the bits are the same for any count).
 
-    A grid that leaves most multiprocessors idle (a job's tail) waits a memory latency per
-    split unless several are in flight; a full one hides that latency behind its other
-    programs. H200, whole llama3 jobs: 4 at once saved about 0.04 ms a step at batch
+    programs: the merge grid's, rows x head blocks (llama3-8b: two a row, so batch <= 132
+    on an H200 counts as small). A grid that leaves most multiprocessors idle (a job's
+    tail) waits a memory latency per split unless several are in flight; a full one
+    hides that latency behind its other programs. H200, whole llama3 jobs: 4 at once saved about 0.04 ms a step at batch
     1-16; at batch >= 64 one at a time was 1.5 points of the floor ahead in one call and
     0.4 behind in the next (docs/benchmarks.md, tenth session), so full grids keep the
     smaller kernel.
     """
-    return 4 if programs < 2 * num_sms(device) else 1
+    return 4 if programs <= 2 * num_sms(device) else 1
 
 
 PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pay

@@ -45,8 +45,9 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True), "merge1": dict(merge_unroll=1),
             "merge4": dict(merge_unroll=4), "s2": dict(num_stages=2, bt_ahead=False),
             # only the tiles paged_config gives small grids (those that read block ids ahead)
-            "small-s4": dict(small_only=True, num_stages=4),
-            "small-128": dict(small_only=True, BLOCK_N=128, num_warps=8, num_stages=3),
+            # (per_sm: the programs that fit an SM, which the split plan counts on)
+            "small-s4": dict(small_only=True, num_stages=4, per_sm=2),
+            "small-128": dict(small_only=True, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1),
             # the 32-key tile fits six programs an SM with or without bt_ahead (registers bind)
             "bt3-32": dict(block_n_only=32, num_stages=3, bt_ahead=True)}
 
@@ -119,6 +120,12 @@ def main() -> None:
     ceil = measure_ceilings(lm.model.device, lm.model.dtype)
     shape = ModelShape.from_config(lm.config, lm.model.dtype.itemsize)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
+    out = Path(os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(summary: dict) -> None:  # after every run too, so a time limit keeps what ran
+        (out / "ab_context.json").write_text(json.dumps(dict(args=vars(args), variants=changes, summary=summary,
+                                                             runs=runs), indent=1, default=str))
     first_ids = None  # pipeline depth and bt_ahead change no arithmetic: every run's greedy ids must match
     for rep in range(args.repeats):
         for name in variants:
@@ -131,6 +138,7 @@ def main() -> None:
             row["small_batch_step_ms"] = small_batch_step(row)
             row.pop("decode_step_log", None)
             runs[name].append(row)
+            save({})
             print(f"run {rep + 1} {name:12s} {row['requests_per_s']:7.2f} req/s  batch>=64 "
                   f"{percent(row.get('large_batch_floor_fraction'))} of floor  step p50 at batch 1-16 "
                   f"{row['small_batch_step_ms'] or float('nan'):6.2f} ms  exact={row['exact_lengths']} "
@@ -145,10 +153,7 @@ def main() -> None:
         s = summary[name]
         print(f"median {name:12s} {s['requests_per_s']:7.2f} req/s  batch>=64 {percent(s['large_batch_floor_fraction'])}"
               f"  step p50 at batch 1-16 {s['small_batch_step_ms']:6.2f} ms  ({len(rows)} runs)", flush=True)
-    out = Path(os.environ.get("OUT") or "out")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_context.json").write_text(json.dumps(dict(args=vars(args), variants=changes,
-                                                         summary=summary, runs=runs), indent=1, default=str))
+    save(summary)
 
 
 if __name__ == "__main__":

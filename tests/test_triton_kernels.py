@@ -227,6 +227,10 @@ def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits
     got = {u: merge_partials(o_part, lse_part, torch.float32, unroll=u) for u in (1, 3, 4, None)}
     for u in (3, 4, None):
         assert torch.equal(got[u][0], got[1][0]) and torch.equal(got[u][1], got[1][1])
+    # one row is a small grid, so the plan's choice there is 4 in flight (5 rows: 1 on CPU)
+    one = [merge_partials(o_part[:, :1], lse_part[:, :1], torch.float32, unroll=u) for u in (1, None)]
+    assert torch.equal(one[0][0], one[1][0]) and torch.equal(one[0][1], one[1][1])
+    assert torch.equal(one[1][0], got[1][0][:1]) and torch.equal(one[1][1], got[1][1][:1])
     o, lse = got[1]
     lse64 = lse_part.double().cpu()
     want_lse = torch.logsumexp(lse64, dim=0)
@@ -478,20 +482,43 @@ def test_decode_tiles_read_block_ids_ahead_only_on_grids_that_leave_the_chip_idl
     from kernels.triton_plan import num_sms
     dev = torch.device("cpu")
     slots = 2 * num_sms(dev)
-    for keys in (128, 4096):  # the 32-key and the 64-key decode tiles
+    for keys, per_sm in ((128, 4), (4096, 3)):  # the 32-key tile; the 64-key one, larger with read-ahead
         small = paged_config(4, 64, dev, 2, keys, num_programs=slots)
-        assert small["bt_ahead"] and small["num_stages"] == 3, small
+        assert small["bt_ahead"] and small["num_stages"] == 3 and small["per_sm"] == per_sm, small
         for full in (paged_config(4, 64, dev, 2, keys, num_programs=slots + 1), paged_config(4, 64, dev, 2, keys)):
-            assert not full.get("bt_ahead") and full["num_stages"] == 2, full
+            assert not full.get("bt_ahead") and full["num_stages"] == 2 and full["per_sm"] == 4, full
     assert not paged_config(32, 64, dev, 2, 4096, num_programs=1).get("bt_ahead")  # prefill rows: unchanged
+
+
+def test_relay_context_launches_plan_read_ahead_from_their_grid_and_the_baseline_does_not(monkeypatch):
+    """paged_attention and context_splits pass the grid (sequences x KV heads) to
+    paged_config for relay's context step, the same for both so the split plan and the
+    launch agree; the baseline's launches (with a prefix) pass None and keep the tiles
+    it was timed with."""
+    from kernels import triton_context_attention as tca
+    seen = []
+    real = tca.paged_config
+
+    def recording(*args, **kwargs):
+        seen.append(args[5] if len(args) > 5 else kwargs.get("num_programs"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tca, "paged_config", recording)
+    q, kc, vc, prefixes, meta = random_problem(q_lens=[1, 1, 1], ctx_lens=[5, 40, 17], prefix_of=[0, 0, 1],
+                                               prefix_lens=[24], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                               device=DEVICE)
+    relay_attention(q, kc, vc, meta, prefixes, 0.25)
+    assert seen and all(n == 3 * 2 for n in seen), seen
+    seen.clear()
+    baseline_with(q, kc, vc, meta, prefixes, 0.25)
+    assert seen and all(n is None for n in seen), seen
 
 
 def test_merge_unroll_keeps_loads_in_flight_only_for_grids_that_leave_the_chip_idle():
     from kernels.triton_plan import merge_unroll, num_sms
     dev = torch.device("cpu")
     slots = 2 * num_sms(dev)
-    assert merge_unroll(1, dev) == 4 and merge_unroll(slots - 1, dev) == 4
-    assert merge_unroll(slots, dev) == 1 and merge_unroll(100 * slots, dev) == 1
+    assert merge_unroll(1, dev) == 4 and merge_unroll(slots, dev) == 4
+    assert merge_unroll(slots + 1, dev) == 1 and merge_unroll(100 * slots, dev) == 1
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
