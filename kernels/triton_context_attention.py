@@ -218,8 +218,8 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     llama3 jobs, four calls against 2 stages everywhere: the median step at batch 1-16
     5.41-5.48 against 5.68-5.74 ms in every call; read-ahead on every grid moved steps at
     batch >= 64 by +0.7, -1.1, -1.6 and -0.5 points of the floor (docs/benchmarks.md,
-    tenth session). Only relay's context step was timed with it: the baseline's launches
-    pass None.
+    tenth session). Only relay's context step was timed with it (paged_attention's
+    read_ahead); the baseline's launches pass None.
     """
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
     ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
@@ -242,7 +242,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                     seq_group: torch.Tensor | None = None, group_id: int = 0,
                     sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    config: dict | None = None) -> None:
+                    config: dict | None = None, read_ahead: bool = False) -> None:
     """Launch the paged kernel. Results go to out[split_base + s] (out is [splits, N, Hq, D]).
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
@@ -250,7 +250,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None. num_splits:
     each sequence's keys are cut into that many chunks of whole key tiles, chunk s of
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
-    last ones may be short or empty: (0, -inf)).
+    last ones may be short or empty: (0, -inf)). read_ahead: without a config, let
+    paged_config pick read-ahead tiles for a small grid (relay's context step, where it
+    was timed; pass the same to context_splits).
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -276,10 +278,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
     keys = -(-(meta.max_context_len + (prefix[0].shape[0] if prefix is not None else 0)) // num_splits)
-    # the baseline's launches (a prefix, or a prefix group's filter) keep the full-grid
-    # tiles: read-ahead was timed on relay's context step only
-    programs = meta.num_seqs * hkv if prefix is None and seq_group is None else None
-    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys, programs))
+    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys,
+                                      meta.num_seqs * hkv if read_ahead else None))
     cfg.pop("per_sm", None)
     heads_fast = cfg.pop("heads_fast", prefix is None)
     bt_ahead = cfg.pop("bt_ahead", False)
@@ -327,14 +327,15 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def context_splits(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, extra_keys: int = 0,
-                   num_splits: int | None = None, config: dict | None = None) -> int:
+                   num_splits: int | None = None, config: dict | None = None, read_ahead: bool = False) -> int:
     """How many chunks to cut each sequence's (extra_keys + own keys) into, for sequences
-    too few to fill the chip; planned for the longest, meta.max_context_len."""
+    too few to fill the chip; planned for the longest, meta.max_context_len. read_ahead:
+    as the paged_attention launch it plans for."""
     group = q.shape[1] // num_kv_heads
     device = q.device
-    programs = meta.num_seqs * num_kv_heads if extra_keys == 0 else None  # as paged_attention decides
+    grid = meta.num_seqs * num_kv_heads
     cfg = config or paged_config(meta.max_seqlen_q * group, q.shape[2], device, q.element_size(),
-                                 extra_keys + meta.max_context_len, programs)
-    programs = meta.num_seqs * num_kv_heads * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
+                                 extra_keys + meta.max_context_len, grid if read_ahead else None)
+    programs = grid * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
     return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
                       min_keys=512, per_sm=cfg.get("per_sm", 1))[0]

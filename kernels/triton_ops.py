@@ -59,7 +59,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     hkv = k_cache.shape[2]
     group = hq // hkv
     groups = group_prefixes(meta, prefixes)
-    c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config)
+    c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     s_splits = 0
     if groups:
         rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group
@@ -71,7 +71,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     overlap = overlap and bool(groups)
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
-        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config)
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
         return out[0]
     one_grid = one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1
     extra = c_splits if c_splits > 1 or overlap or one_grid else 0
@@ -93,12 +93,12 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
-                        num_splits=c_splits, config=ctx_config)
+                        num_splits=c_splits, config=ctx_config, read_ahead=True)
 
     if not extra:  # the fused path: the context epilogue merges the system partials, o written once
         system_step()
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
-        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config,
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True,
                         sys_part=(o_part[:s_splits], lse_part[:s_splits]))
         return out[0]
     if overlap and q.is_cuda:

@@ -491,10 +491,10 @@ def test_decode_tiles_read_block_ids_ahead_only_on_grids_that_leave_the_chip_idl
 
 
 def test_relay_context_launches_plan_read_ahead_from_their_grid_and_the_baseline_does_not(monkeypatch):
-    """paged_attention and context_splits pass the grid (sequences x KV heads) to
-    paged_config for relay's context step, the same for both so the split plan and the
-    launch agree; the baseline's launches (with a prefix) pass None and keep the tiles
-    it was timed with."""
+    """Relay's context step asks for read-ahead tiles: paged_attention and context_splits
+    both pass its grid (sequences x KV heads) to paged_config, so the split plan and the
+    launch agree; the baseline's launches pass None and keep the tiles they were timed
+    with."""
     from kernels import triton_context_attention as tca
     seen = []
     real = tca.paged_config
