@@ -114,12 +114,7 @@ def main() -> None:
         hq, hkv, d = HEADS[name]
         for batch in map(int, args.batches.split(",")):
             lo, hi = map(int, (args.own or "16,800").split(","))
-            q, kc, vc, pre, meta = build_step(hq, hkv, d, batch, 2048, hi, dev, torch.bfloat16, gen)
-            lens = torch.randint(lo, hi + 1, (batch,), generator=gen, device=dev, dtype=torch.int32)
-            meta.context_lens.copy_(lens)
-            scale = d ** -0.5
-            want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k.float(), v.float())
-                                                                               for k, v in pre], scale)
+            q, kc, vc, pre, meta, scale, want, _ = decode_problem(name, batch, 2048, lo, hi, gen, ceil)
             # system partials as relay computes them, so only the context kernel is timed
             s_cfg = system_config(batch * hq // hkv, d, dev, 2)
             programs = -(-batch * hq // hkv // s_cfg["BLOCK_M"]) * hkv
@@ -128,7 +123,7 @@ def main() -> None:
             l_p = torch.empty(splits, batch, hq, device=dev, dtype=torch.float32)
             system_attention_into(q, pre[0][0], pre[0][1], scale, o_p, l_p, rows=meta.prefix_groups[0].query_indices,
                                   num_splits=splits)
-            own_bytes = int(lens.sum()) * hkv * d * 2 * 2
+            own_bytes = int(meta.context_lens.sum()) * hkv * d * 2 * 2
             io_bytes = q.numel() * 2 * 2 + o_p.numel() * 4 + l_p.numel() * 4
             if args.graph_path:
                 results += graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil)
