@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--own", default=None,
                     help="own context lengths drawn from lo,hi (default 400,1200 with --small, else 16,800)")
     args = ap.parse_args()
+    configs = parse_configs(args.configs) if args.configs else CONFIGS  # a bad list is refused before any work
     dev = torch.device("cuda")
     ceil = ceilings(dev)
     out_dir = Path(os.environ.get("OUT") or "out")
@@ -129,7 +130,7 @@ def main() -> None:
                 results += graph_path(name, batch, q, kc, vc, pre, meta, scale, want, own_bytes, ceil)
                 continue
             default = paged_config(hq // hkv, d, dev, 2, hi, batch * hkv)
-            for cfg in [None] + (parse_configs(args.configs) if args.configs else CONFIGS):
+            for cfg in [None] + configs:
                 for heads_fast in (False, True):
                     c = dict(cfg or default, heads_fast=heads_fast)
                     c.pop("per_sm", None)
