@@ -54,9 +54,9 @@ def _key_value(key):
 
 @triton.jit
 def _raw_block(row_ptr, start, length, BLOCK: tl.constexpr):
-    """Values start .. start+BLOCK-1 of a row; -inf past its length."""
+    """Values start .. start+BLOCK-1 of a row in fp32 (logits may be bf16/fp16); -inf past its length."""
     cols = start + tl.arange(0, BLOCK)
-    return tl.load(row_ptr + cols, mask=cols < length, other=-float("inf"))
+    return tl.load(row_ptr + cols, mask=cols < length, other=-float("inf")).to(tl.float32)
 
 
 @triton.jit
@@ -263,7 +263,8 @@ def pack_params(seeds: list[int], top_ks: list[int], temperatures: list[float],
 def sample(logits: torch.Tensor, params: torch.Tensor, scratch: torch.Tensor | None = None,
            block: int = 1024, probes: int = 8, num_warps: int = 4, chunk: int = 8192,
            return_thresholds: bool = False):
-    """logits [B, V] fp32 (unit last stride), params [B, 4] int64 on logits' device ->
+    """logits [B, V] fp32, bf16 or fp16 (unit last stride; read in fp32), params [B, 4]
+    int64 on logits' device ->
     token ids [B] int64 (and, with return_thresholds, each row's smallest kept scaled
     logit [B] fp32: -inf when it keeps every token).
 
@@ -271,8 +272,9 @@ def sample(logits: torch.Tensor, params: torch.Tensor, scratch: torch.Tensor | N
     are copied when at most N of them (fewer passes over the whole row); a new [B, 4096]
     one when None. chunk: tokens per program of the draw (a multiple of block).
     """
-    assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1, \
-        f"logits must be [B, V] fp32 with unit last stride, got {tuple(logits.shape)} {logits.dtype}"
+    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and logits.stride(-1) == 1, \
+        f"logits must be [B, V] fp32/bf16/fp16 with unit last stride, got {tuple(logits.shape)} {logits.dtype}"
     rows, vocab = logits.shape
     assert params.shape == (rows, 4) and params.dtype == torch.int64 and params.is_contiguous(), \
         f"params must be [{rows}, 4] contiguous int64, got {tuple(params.shape)} {params.dtype}"

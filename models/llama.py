@@ -248,9 +248,14 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [M, hidden] -> logits [M, vocab] fp32, written into out [M, vocab] fp32 if given."""
+        """hidden [M, hidden] -> logits [M, vocab] in the weights' dtype, written into out
+        [M, vocab] (that dtype, contiguous) if given.
+
+        They are not widened to fp32 here: the sampler reads them in fp32 itself, which
+        gives the same values (bf16 to fp32 is exact) without a [M, vocab] fp32 copy a step
+        (about 50 us and 0.13 GB at 256 rows of a 128k vocabulary on an H200)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight)
         if out is None:
-            return logits.float()
-        return out.copy_(logits)
+            return nn.functional.linear(hidden, weight)
+        assert out.dtype == weight.dtype and out.is_contiguous(), "out must be contiguous, in the weights' dtype"
+        return torch.mm(hidden, weight.t(), out=out)

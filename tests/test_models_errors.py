@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -294,6 +295,22 @@ def test_dummy_tiny_builds_and_runs():
     hidden = loaded.model(torch.arange(5), torch.arange(5), attend)
     logits = loaded.model.compute_logits(hidden)
     assert hidden.shape == (5, 64) and logits.shape == (5, 512) and torch.isfinite(logits).all()
+
+
+def test_logits_come_in_the_weights_dtype_and_into_a_buffer_of_it():
+    """compute_logits leaves bf16 logits bf16 (the sampler widens them): the same values as
+    the product, with or without an out buffer; an fp32 buffer is refused, not filled."""
+    loaded = load_model("dummy:tiny", dtype="bfloat16", device="cpu", seed=random.randrange(10**6))
+    hidden = torch.randn(3, loaded.config.hidden_size).to(torch.bfloat16)
+    logits = loaded.model.compute_logits(hidden)
+    want = torch.nn.functional.linear(hidden.float(), loaded.model.model.embed_tokens.weight.float()
+                                      if loaded.model.lm_head is None else loaded.model.lm_head.weight.float())
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, loaded.config.vocab_size)
+    torch.testing.assert_close(logits.float(), want, rtol=1e-2, atol=1e-2)
+    out = torch.full((3, loaded.config.vocab_size), float("nan"), dtype=torch.bfloat16)
+    assert loaded.model.compute_logits(hidden, out=out) is out and torch.equal(out, logits)
+    with pytest.raises(AssertionError, match="weights' dtype"):
+        loaded.model.compute_logits(hidden, out=torch.empty(3, loaded.config.vocab_size))
 
 
 def test_a_built_model_refuses_to_be_moved_or_cast():

@@ -94,6 +94,25 @@ def test_batch_rows_are_independent_and_greedy_rows_argmax():
     assert together[1] == int(logits[1].argmax()) and together[4] == int(logits[4].argmax())
 
 
+def test_narrow_logits_sample_as_their_fp32_copy():
+    """Logits in bf16 (the model's dtype on a GPU) give every row the token their fp32
+    copy gives: the sampler widens them before temperature and filters."""
+    torch.manual_seed(random.randrange(10**6))
+    logits = (torch.randn(6, 400) * 3).to(torch.bfloat16)
+    opts = [SamplingOptions(max_tokens=1, temperature=0.8, seed=3), SamplingOptions(max_tokens=1),
+            SamplingOptions(max_tokens=1, temperature=1.1, top_p=0.7, seed=4),
+            SamplingOptions(max_tokens=1, temperature=0.5, top_k=5, seed=5),
+            SamplingOptions(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, seed=6), SamplingOptions(max_tokens=1)]
+    # and rows whose top-p set a bf16 running sum would get wrong (flat rows, p = 0.5)
+    flat = (torch.randn(256, 400) * 0.5).to(torch.bfloat16)
+    logits = torch.cat([logits, flat])
+    opts += [SamplingOptions(max_tokens=1, temperature=1.0, top_p=0.5, seed=random.randrange(10**6))
+             for _ in range(256)]
+    draws = [4, 0, 2, 8, 1, 3] + list(range(256))
+    sampler = Sampler(torch.device("cpu"))
+    assert sampler.sample(logits, opts, draws) == sampler.sample(logits.float(), opts, draws)
+
+
 def _peaked_logits(rows: int, vocab: int, head: int = 20) -> torch.Tensor:
     """A few likely tokens and a long tail, as a language model gives: the top-p set is small."""
     logits = torch.randn(rows, vocab)

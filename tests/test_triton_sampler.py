@@ -115,6 +115,27 @@ def test_kernel_keeps_the_reference_tokens_and_draws_the_reference_token(vocab, 
     assert bool(want_kept.gather(1, token[:, None]).all())  # every draw is a kept token
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_narrow_logits_as_their_fp32_copy(dtype):
+    """The engine hands the sampler logits in the model's dtype: the kernel widens them
+    on load, so every row (greedy, filtered, temperature-only) keeps and draws what the
+    fp32 copy of the same values keeps and draws."""
+    rng = random.Random()
+    logits, temps, ks, ps, seeds = _random_rows(rng, 1000)
+    narrow = logits.to(dtype)
+    params = triton_sampler.pack_params(seeds, ks, temps, ps).to(DEVICE)
+    got, got_t = triton_sampler.sample(narrow, params, block=64, chunk=128, return_thresholds=True)
+    want, want_t = triton_sampler.sample(narrow.float(), params, block=64, chunk=128, return_thresholds=True)
+    assert torch.equal(got, want) and torch.equal(got_t, want_t)
+    sampler = Sampler(torch.device(DEVICE), "triton")
+    opts = [SamplingOptions(max_tokens=1, temperature=t, top_k=k if k < 1000 else None, top_p=p, seed=7)
+            for t, k, p in zip(temps, ks, ps)]
+    draws = list(range(len(opts)))
+    assert sampler.sample(narrow, opts, draws) == sampler.sample(narrow.float(), opts, draws)
+    greedy = [SamplingOptions(max_tokens=1)] * len(opts)
+    assert sampler.sample(narrow, greedy, draws) == narrow.float().argmax(-1).tolist()
+
+
 def test_kernel_draws_follow_the_filtered_distribution():
     """Many rows, one seed each, on the same logits: frequencies match the kept softmax.
     (The interpreter runs a filtering row slowly, so on the CPU only the temperature-only

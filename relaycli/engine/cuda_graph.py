@@ -59,9 +59,9 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         # One logits buffer for every graph: each graph's own output would stay allocated
-        # (about 0.13 GB a key at 256 rows of a 128k vocabulary). Steps run in stream
+        # (about 65 MB a key at 256 rows of a 128k vocabulary in bf16). Steps run in stream
         # order, so a step's sampling reads its logits before the next replay writes them.
-        self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple[int, int, int | None], torch.cuda.CUDAGraph] = {}  # each writes self.logits
         self.pool = None
         self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
@@ -160,7 +160,7 @@ class DecodeGraphs:
         return model.compute_logits(hidden, out=self.logits[:bs])
 
     def run(self, seqs: list[Sequence], key: tuple[int, int, int | None], input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [len(seqs), vocab] fp32 of one decode step, through the graph for key.
+        """Logits [len(seqs), vocab] (the model's dtype) of one decode step, through the graph for key.
         input_ids [len(seqs)] int64 on the device."""
         bs, ctx, slot = key
         self._fill(seqs, bs, ctx, input_ids)

@@ -105,16 +105,18 @@ class Sampler:
         self.device, self.kernel = device, kernel
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> list[int]:
-        """logits [B, V] fp32 -> one token id per row (waits for the device)."""
+        """logits [B, V] (fp32, bf16 or fp16) -> one token id per row (waits for the device)."""
         return self.sample_tensor(logits, options, draws).tolist()
 
     def sample_tensor(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:
-        """logits [B, V] fp32 -> token ids [B] int64 on logits' device, without waiting for it.
+        """logits [B, V] (fp32, bf16 or fp16) -> token ids [B] int64 on logits' device,
+        without waiting for it. Rows are read in fp32 (widening is exact), so narrower
+        logits give the tokens their fp32 copy would.
 
         draws[i]: how many tokens row i's request has drawn before this one (its output index).
         """
         if all(opt.is_greedy for opt in options):
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1)  # the same index in any float dtype
         if self.kernel == "triton":
             from kernels import triton_sampler
             vocab = logits.shape[-1]
@@ -125,6 +127,7 @@ class Sampler:
         return self._sample_torch(logits, options, draws)
 
     def _sample_torch(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:
+        logits = logits.float()  # temperature and filters in fp32, as the Triton path computes them
         choice = logits.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if not opt.is_greedy]
         vocab = logits.shape[-1]
