@@ -33,7 +33,8 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)  # CUDA-only tests plus the Triton files, which also run under the interpreter in CI
       timeout 450 python3 -m pytest -q tests/test_triton_kernels.py tests/test_triton_layer_ops.py \
-        tests/test_decode_graph_buffers.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
+        tests/test_decode_graph_buffers.py tests/test_triton_sampler.py 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -3 ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed

@@ -68,6 +68,7 @@ def main() -> None:
         if n == args.skip + 2 + args.steps:
             torch.cuda.synchronize()
             window["t1"], window["steps1"] = time.perf_counter(), (stats.prefill_steps, stats.decode_steps)
+            window["log"] = stats.decode_step_log[window["steps0"][1]:]
         prof.step()
 
     with frozen_heap(), prof:
@@ -85,6 +86,11 @@ def main() -> None:
     print(f"window: {d1 - d0} decode + {p1 - p0} prefill steps, wall {wall * 1e3:.1f} ms, "
           f"{wall * 1e3 / max(1, (d1 - d0) + (p1 - p0)):.2f} ms a step; GPU busy {busy_us / 1e3:.1f} ms of the "
           f"{(last - first) / 1e3:.1f} ms from first kernel to last ({busy_us / max(last - first, 1e-9):.2f})")
+    log = window["log"]
+    if log:  # the shapes of the window's decode steps, to time the same shape alone
+        seqs = [n for n, _, _ in log]
+        print(f"window decode steps: batch {min(seqs)}-{max(seqs)}, "
+              f"own keys a row {sum(c for _, c, _ in log) / sum(seqs):.0f} on average")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
 
