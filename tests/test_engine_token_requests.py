@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
@@ -141,3 +143,67 @@ def test_frozen_heap_spares_setup_objects_and_unfreezes_on_exit():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert kept_ref() is None
+
+
+class _TimedStep:
+    """A read-back step as Engine._account sees one on CUDA: the device's end time of it."""
+
+    is_timed = True
+
+    def __init__(self, is_prefill: bool, end: float, batch: int = 2):
+        self.is_prefill, self.end = is_prefill, end
+        self.seqs = [None] * batch
+        self.num_new_tokens = self.num_context_tokens = 10 * batch
+
+    def seconds_after(self, earlier: "_TimedStep") -> float:
+        return self.end - earlier.end
+
+
+def test_timed_steps_are_charged_from_the_end_of_the_step_before_not_with_the_next_launch():
+    """A decode step read back after the host launched a prefill (eagerly, while that decode
+    ran) took 0.011 s on the device, not the 0.036 s its call took: device-timed steps are
+    charged from the previous step's end to their own, so the times still add up to the
+    job's. A call's first step (no earlier step of that call) keeps its host time."""
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    engine = Engine(lm, [], EngineConfig(max_num_seqs=2))
+    engine._last_read = _TimedStep(False, -5.0)  # left by an earlier call: no start for this one
+    assert list(engine.generate_tokens(iter([]))) == []
+    reads = [(_TimedStep(False, 0.011), 0.012), (_TimedStep(False, 0.022), 0.036),
+             (_TimedStep(True, 0.230), 0.190), (_TimedStep(False, 0.241), 0.012)]
+    for step, host_seconds in reads:
+        engine._account(step, host_seconds)
+    decode = [s for _, _, s in engine.stats.decode_step_log]
+    assert decode == pytest.approx([0.012, 0.011, 0.011])
+    assert [s for _, _, s in engine.stats.prefill_step_log] == pytest.approx([0.208])
+    assert engine.stats.decode_seconds == pytest.approx(0.034) and engine.stats.prefill_seconds == pytest.approx(0.208)
+
+
+def test_the_decode_after_a_prefill_launches_before_the_prefill_is_read_back():
+    """The device must not wait for the host between a prefill and the decode after it:
+    that decode takes the prefill's tokens from the device, and is launched before the
+    prefill's tokens are read (the outputs stay those of the unit-by-unit engine, which
+    the tests above check)."""
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    rng = random.Random()
+    vocab = lm.config.vocab_size
+    reqs = [TokenRequest(i, str(i), [rng.randrange(vocab) for _ in range(rng.randint(2, 9))],
+                         SamplingOptions(max_tokens=rng.randint(2, 6), ignore_eos=True)) for i in range(6)]
+    engine = Engine(lm, [], EngineConfig(max_num_seqs=3))
+    order = []
+    launch, read_back = engine.runner.launch, engine._read_back
+
+    def logged_launch(seqs, is_prefill, prev=None):
+        order.append(("launch", is_prefill))
+        return launch(seqs, is_prefill, prev)
+
+    def logged_read_back(step):
+        order.append(("read", step.is_prefill))
+        return read_back(step)
+    engine.runner.launch, engine._read_back = logged_launch, logged_read_back
+    assert len(list(engine.generate_tokens(reqs))) == 6
+    prefills = [i for i, event in enumerate(order) if event == ("launch", True)]
+    assert prefills
+    for i in prefills:
+        read_at = order.index(("read", True), i)
+        next_launch = next(j for j in range(i + 1, len(order)) if order[j][0] == "launch")
+        assert next_launch < read_at, order  # the next step goes to the device first

@@ -196,14 +196,24 @@ class StepHandle:
         self.num_context_tokens = num_context_tokens  # own tokens its queries attend to, summed
         self.tokens = tokens  # [B] int64 on the device: the next step's inputs
         self.rows = {s.seq_id: b for b, s in enumerate(seqs)}
-        self._event = None
+        self._event = None  # on CUDA: marks the step done on the device (its tokens copied back)
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
         else:
             self._host = tokens
+
+    @property
+    def is_timed(self) -> bool:
+        """Whether the device timestamps the step's end (CUDA), for seconds_after."""
+        return self._event is not None
+
+    def seconds_after(self, earlier: "StepHandle") -> float:
+        """Device time from the end of an earlier timed step to the end of this one; both
+        must have been read back (tokens_list), so both have ended."""
+        return earlier._event.elapsed_time(self._event) / 1e3
 
     def tokens_list(self) -> list[int]:
         if self._event is not None:
