@@ -124,9 +124,11 @@ def test_kernel_reads_narrow_logits_as_their_fp32_copy(dtype):
     logits, temps, ks, ps, seeds = _random_rows(rng, 1000)
     narrow = logits.to(dtype)
     params = triton_sampler.pack_params(seeds, ks, temps, ps).to(DEVICE)
-    got, got_t = triton_sampler.sample(narrow, params, block=64, chunk=128, return_thresholds=True)
-    want, want_t = triton_sampler.sample(narrow.float(), params, block=64, chunk=128, return_thresholds=True)
+    got, got_t = triton_sampler.sample(narrow, params, return_thresholds=True)
+    want, want_t = triton_sampler.sample(narrow.float(), params, return_thresholds=True)
     assert torch.equal(got, want) and torch.equal(got_t, want_t)
+    if dtype != torch.bfloat16 and not CUDA:
+        return  # the engine's own dtype goes on through Sampler (the interpreter is slow)
     sampler = Sampler(torch.device(DEVICE), "triton")
     opts = [SamplingOptions(max_tokens=1, temperature=t, top_k=k if k < 1000 else None, top_p=p, seed=7)
             for t, k, p in zip(temps, ks, ps)]
