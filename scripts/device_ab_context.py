@@ -7,14 +7,16 @@ early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merg
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
 grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
 for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
-combines two variants' changes. Each run is a fresh engine (its warm-up captures its own
-CUDA graphs), and every run must generate the
-same greedy ids as the first (no variant changes the arithmetic). Prints each run, then per
-variant the median of requests/s, of the share of the floor reached by steps of batch 64
-and more, and of the median step at batch 1-16; writes JSON under $OUT.
+combines two variants' changes; `prefill-serial` reads a prefill back before the next step
+launches, as the engine did before the eleventh session (--no-relay times the baseline).
+Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
+must generate the same greedy ids as the first (no variant changes the arithmetic).
+Prints each run, then per variant the median of requests/s, of the share of the floor
+reached by steps of batch 64 and more, and of the median step at batch 1-16; writes JSON
+under $OUT.
 
     python scripts/device_ab_context.py [--model dummy:llama3-8b] [--system 2048] [--requests 500]
-        [--max-batch 256] [--repeats 3] [--variants default,bt3,s5]
+        [--max-batch 256] [--repeats 3] [--variants default,bt3,s5] [--no-relay]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.roofline import ModelShape, measure_ceilings, price_decode  # noqa: E402
 from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
 from relaycli.compile import prefix_from_ids  # noqa: E402
+from relaycli.engine.engine import Engine  # noqa: E402
 
 # what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config, or
 # the merge of relay's partials
@@ -49,7 +52,9 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "small-s4": dict(small_only=True, num_stages=4, per_sm=2),
             "small-128": dict(small_only=True, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1),
             # the 32-key tile fits six programs an SM with or without bt_ahead (registers bind)
-            "bt3-32": dict(block_n_only=32, num_stages=3, bt_ahead=True)}
+            "bt3-32": dict(block_n_only=32, num_stages=3, bt_ahead=True),
+            # the engine before 08dac57: a prefill is read back before the next step launches
+            "prefill-serial": dict(prefill_serial=True)}
 
 
 def resolve(name: str) -> dict:
@@ -69,7 +74,8 @@ def variant(change: dict):
     unroll = change.pop("merge_unroll", None)
     small_only = change.pop("small_only", False)
     block_n_only = change.pop("block_n_only", None)
-    config, merge = tca.paged_config, triton_ops.merge_partials
+    prefill_serial = change.pop("prefill_serial", False)
+    config, merge, step = tca.paged_config, triton_ops.merge_partials, Engine._step
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
         cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs)
@@ -79,10 +85,19 @@ def variant(change: dict):
     tca.paged_config = tile
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
+    if prefill_serial:
+        def serial_step(engine):
+            finished = []
+            if engine._pending is not None and engine._pending.is_prefill:
+                read, engine._pending = engine._pending, None
+                finished = engine._read_back(read)
+                engine._account(read, 0.0)  # on CUDA the device's timestamps set its time
+            return finished + step(engine)
+        Engine._step = serial_step
     try:
         yield
     finally:
-        tca.paged_config, triton_ops.merge_partials = config, merge
+        tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
 
 
 def percent(fraction: float | None) -> str:
@@ -105,6 +120,7 @@ def main() -> None:
     ap.add_argument("--variants", default="default,bt3,s5")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--no-relay", action="store_true", help="time the --no-relay baseline instead of relay")
     args = ap.parse_args()
     variants = args.variants.split(",")
     changes = {v: resolve(v) for v in variants}
@@ -130,7 +146,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in variants:
             with variant(changes[name]):
-                row = run_engine(lm, prefix, shapes, own_ids, args.max_batch, True, None)
+                row = run_engine(lm, prefix, shapes, own_ids, args.max_batch, not args.no_relay, None)
             ids = row.pop("_ids", None)
             first_ids = first_ids if first_ids is not None else ids
             row["same_ids_as_first_run"] = ids == first_ids

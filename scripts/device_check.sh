@@ -11,7 +11,10 @@
 # tiles alone at a job tail's and at full batches' shapes (deeper pipelines, bt_ahead,
 # 128-key tiles), then in whole llama3 jobs the tail's tiles against the default
 # (scripts/device_ab_context.py).
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline ...]
+# The steps-ab part (at most 9 minutes, one call) times whole llama3 jobs, relay and then
+# --no-relay, with the decode after a prefill launched before the prefill is read back
+# (the engine since the eleventh session) and after it (the engine before).
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +63,13 @@ for part in "${parts[@]}"; do
         2>&1 | tee "$OUT/context_full.log" | grep BEST
       timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,small-s4,small-128,bt3-32 \
         2>&1 | tee "$OUT/ab_context.log" | tail -4 ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline)"; exit 2 ;;
+    steps-ab)  # the decode after a prefill launched before (default) or after (prefill-serial) the prefill's read-back
+      timeout 240 python3 scripts/device_ab_context.py --repeats 2 --variants default,prefill-serial \
+        2>&1 | tee "$OUT/steps_ab_relay.log" | grep -E "^(run|median)"
+      cp "$OUT/ab_context.json" "$OUT/steps_ab_relay.json"
+      timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,prefill-serial --no-relay \
+        2>&1 | tee "$OUT/steps_ab_no_relay.log" | grep -E "^(run|median)" ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1
