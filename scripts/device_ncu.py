@@ -11,7 +11,7 @@ overlap path), merge (the merge of system + context partials), relay (all three,
 graphed decode step's attention).
 
 Usage: python scripts/device_ncu.py --what sys --model llama3-8b --batch 256 --system 2048
-       [--own 300] [--splits N] [--stages 3] [--block-n 64] [--time] [--repeat 5]
+       [--own 300] [--splits N] [--stages 3] [--block-n 64] [--maxnreg R] [--time] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels.triton_context_attention import context_splits, paged_attention  # noqa: E402
+from kernels.triton_context_attention import context_splits, paged_attention, paged_config  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_plan import split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
@@ -64,9 +64,15 @@ def make_case(args):
         system_attention_into(q, k_sys, v_sys, scale, o_part[:splits], lse_part[:splits], rows=rows,
                               num_splits=splits, config=dict(cfg))
 
+    ctx_cfg = None
+    if args.maxnreg:  # the tile paged_attention would pick, with a register cap
+        ctx_cfg = dict(paged_config(meta.max_seqlen_q * hq // hkv, d, dev, 2, -(-meta.max_context_len // c_splits),
+                                    meta.num_seqs * hkv), maxnreg=args.maxnreg)
+        print(f"context config {ctx_cfg}", flush=True)
+
     def ctx_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=splits,
-                        num_splits=c_splits, read_ahead=True)
+                        num_splits=c_splits, read_ahead=True, config=ctx_cfg)
 
     def merge_step():
         merge_partials(o_part, lse_part, q.dtype, with_lse=False)
@@ -97,6 +103,7 @@ def main() -> None:
     p.add_argument("--splits", type=int, default=None)
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--block-n", type=int, default=None)
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap of the context kernel (ctx)")
     p.add_argument("--triton", action="store_true", help="the Triton system kernel instead of Gluon")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")
@@ -104,7 +111,8 @@ def main() -> None:
     fn = make_case(args)
     if args.time:
         print(f"time {args.what} {args.model} B={args.batch} S={args.system} own={args.own} "
-              f"splits={args.splits} stages={args.stages} block_n={args.block_n}: {graph_us(fn):.1f} us", flush=True)
+              f"splits={args.splits} stages={args.stages} block_n={args.block_n} maxnreg={args.maxnreg}: "
+              f"{graph_us(fn):.1f} us", flush=True)
         return
     for _ in range(args.repeat):
         fn()

@@ -1,37 +1,58 @@
 #!/usr/bin/env bash
 # Nsight Compute on single attention launches of a llama3-8b decode step (H200 machines
 # run Firecracker, where ncu reads the hardware counters; clocks are left as they are).
-# First the graph-replayed times of the same launches (scripts/device_ncu.py --time),
-# then one profiled launch of each case. Writes $OUT/ncu_times.log and $OUT/ncu.log
-# (./out when OUT is unset) and prints the headline metrics last.
-# Usage: bash scripts/device_ncu.sh
+# Parts (default: times profile):
+#   times    graph-replayed times of the launches profiled below (device_ncu.py --time)
+#   profile  one profiled launch of each: speed of light, occupancy, scheduler, memory
+#   stalls   per-instruction stall ratios of the system and context kernels at batch 256
+#   regs     the context kernel timed with register caps (more programs an SM)
+# Writes $OUT/ncu_*.log (./out when OUT is unset) and prints the headline lines last.
+# Usage: bash scripts/device_ncu.sh [times] [profile] [stalls] [regs]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-cases=(
-  "--what sys --batch 64 --system 512"
-  "--what sys --batch 64 --system 2048"
-  "--what sys --batch 256 --system 2048"
-  "--what sys --batch 256 --system 8192"
-  "--what sys --batch 256 --system 2048 --splits 1"
-  "--what sys --batch 256 --system 2048 --stages 2"
-  "--what ctx --batch 256 --system 2048 --own 300"
-  "--what merge --batch 256 --system 2048 --own 300"
-  "--what relay --batch 256 --system 2048 --own 300"
-)
-for c in "${cases[@]}"; do
-  timeout 60 python3 scripts/device_ncu.py $c --time 2>&1 | grep -E "^(time|case)|Error" | tee -a "$OUT/ncu_times.log"
-done
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(times profile)
 kernel_of() { case "$1" in *"what sys"*) echo _gluon_system_kernel ;; *"what ctx"*) echo _paged_kernel ;; *) echo _merge_kernel ;; esac; }
-sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters"
-for c in "--what sys --batch 64 --system 512" "--what sys --batch 256 --system 2048" "--what sys --batch 256 --system 8192" \
-         "--what ctx --batch 256 --system 2048 --own 300" "--what merge --batch 256 --system 2048 --own 300"; do
-  echo "=== ncu $c" | tee -a "$OUT/ncu.log"
-  timeout 150 "$NCU" --clock-control none --kernel-name "$(kernel_of "$c")" --launch-skip 2 --launch-count 1 \
-    $sections --import-source no python3 scripts/device_ncu.py $c >> "$OUT/ncu.log" 2>&1
-  echo "rc $?" >> "$OUT/ncu.log"
+timed() { timeout 60 python3 scripts/device_ncu.py "$@" --time 2>&1 | grep -E "^(time|case|context)|Error" | tee -a "$OUT/ncu_times.log"; }
+for part in "${parts[@]}"; do
+  case "$part" in
+    times)
+      for c in "--what sys --batch 64 --system 512" "--what sys --batch 64 --system 2048" \
+               "--what sys --batch 256 --system 2048" "--what sys --batch 256 --system 8192" \
+               "--what sys --batch 256 --system 2048 --splits 1" "--what sys --batch 256 --system 2048 --stages 2" \
+               "--what ctx --batch 256 --own 300" "--what merge --batch 256 --own 300" "--what relay --batch 256 --own 300"; do
+        timed $c
+      done ;;
+    profile)
+      sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters"
+      for c in "--what sys --batch 64 --system 512" "--what sys --batch 256 --system 2048" "--what sys --batch 256 --system 8192" \
+               "--what ctx --batch 256 --own 300" "--what merge --batch 256 --own 300"; do
+        echo "=== ncu $c" | tee -a "$OUT/ncu.log"
+        timeout 150 "$NCU" --clock-control none --kernel-name "$(kernel_of "$c")" --launch-skip 2 --launch-count 1 \
+          $sections --import-source no python3 scripts/device_ncu.py $c >> "$OUT/ncu.log" 2>&1
+        echo "rc $?" >> "$OUT/ncu.log"
+      done
+      grep -E "^===|Duration|SM Active Cycles|Compute \(SM\) Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Waves Per SM|rc " "$OUT/ncu.log" ;;
+    stalls)
+      "$NCU" --query-metrics 2>/dev/null | grep -iE "gmma|warps_issue_stalled" | head -60 > "$OUT/ncu_metric_names.log"
+      for c in "--what sys --batch 256 --system 2048" "--what ctx --batch 256 --own 300" "--what ctx --batch 64 --own 128"; do
+        echo "=== stalls $c" | tee -a "$OUT/ncu_stalls.log"
+        timeout 150 "$NCU" --clock-control none --kernel-name "$(kernel_of "$c")" --launch-skip 2 --launch-count 1 \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,gpu__time_duration.sum,regex:sm__pipe_tensor_op_gmma.*,sm__warps_active.avg.per_cycle_active,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
+          python3 scripts/device_ncu.py $c >> "$OUT/ncu_stalls.log" 2>&1
+        echo "rc $?" >> "$OUT/ncu_stalls.log"
+      done
+      grep -E "^===|stalled|gmma|duration|warps_active|dram__|rc " "$OUT/ncu_stalls.log" | awk '$NF != "0" && $NF != "0.00"' ;;
+    regs)
+      for shape in "--batch 256 --own 300" "--batch 64 --own 300" "--batch 256 --own 128" "--batch 64 --own 128" "--batch 256 --own 800"; do
+        for r in 0 128 104 96; do
+          if [ "$r" = 0 ]; then timed --what ctx $shape; else timed --what ctx $shape --maxnreg $r; fi
+        done
+      done ;;
+    *) echo "unknown part $part (times, profile, stalls, regs)"; exit 2 ;;
+  esac
 done
-grep -E "^===|Duration|Elapsed Cycles|SM Active Cycles|Compute \(SM\) Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|Block Limit|Stall|No Eligible|Issued Warp|Tensor|One or More Eligible|rc " "$OUT/ncu.log" | head -150
