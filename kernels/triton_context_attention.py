@@ -201,6 +201,11 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         assert t.stride(-1) == 1, f"{name} needs a unit last stride"
 
 
+# H200, llama3-8b heads, one graphed launch (scripts/device_ncu.sh regs): 103.3 -> 94.1 us at
+# batch 256 x 300 own keys, 53.9 -> 49.8 us at 256 x 128; 104 or 96 registers gained nothing more.
+MAX_REGISTERS_SHORT_TILE = 128
+
+
 def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2,
                  keys: int = 1 << 30, num_programs: int | None = None) -> dict:
     """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM.
@@ -219,7 +224,8 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     5.41-5.48 against 5.68-5.74 ms in every call; read-ahead on every grid moved steps at
     batch >= 64 by +0.7, -1.1, -1.6 and -0.5 points of the floor (docs/benchmarks.md,
     tenth session). Only relay's context step was timed with it (paged_attention's
-    read_ahead); the baseline's launches pass None.
+    read_ahead); the baseline's launches pass None. On CUDA the full-grid 32-key tile
+    carries a register cap (maxnreg, a launch option), so more of its programs share an SM.
     """
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
     ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
@@ -227,6 +233,10 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1)
     elif block_m <= 16 and keys <= 512:  # six programs an SM with or without read-ahead (registers)
         cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3 if ahead else 2, per_sm=4)
+        if device.type == "cuda" and not ahead:
+            # 165 registers a thread bind this tile to six programs an SM; capped at 128
+            # eight fit, and a full grid of short contexts keeps more loads in flight
+            cfg["maxnreg"] = MAX_REGISTERS_SHORT_TILE
     elif ahead:
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=3)
     else:

@@ -7,7 +7,7 @@ early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merg
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
 grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
 for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
-combines two variants' changes; `prefill-serial` reads a prefill back before the next step
+combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap; `prefill-serial` reads a prefill back before the next step
 launches, as the engine did before the eleventh session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
@@ -54,7 +54,9 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             # the 32-key tile fits six programs an SM with or without bt_ahead (registers bind)
             "bt3-32": dict(block_n_only=32, num_stages=3, bt_ahead=True),
             # the engine before 08dac57: a prefill is read back before the next step launches
-            "prefill-serial": dict(prefill_serial=True)}
+            "prefill-serial": dict(prefill_serial=True),
+            # the 32-key tile without its register cap (six programs an SM instead of eight)
+            "no-maxnreg": dict(drop_maxnreg=True)}
 
 
 def resolve(name: str) -> dict:
@@ -75,12 +77,15 @@ def variant(change: dict):
     small_only = change.pop("small_only", False)
     block_n_only = change.pop("block_n_only", None)
     prefill_serial = change.pop("prefill_serial", False)
+    drop_maxnreg = change.pop("drop_maxnreg", False)
     config, merge, step = tca.paged_config, triton_ops.merge_partials, Engine._step
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
         cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs)
         applies = (cfg["BLOCK_M"] <= 16 and (cfg.get("bt_ahead", False) or not small_only)
                    and block_n_only in (None, cfg["BLOCK_N"]))
+        if drop_maxnreg:
+            cfg = {k: v for k, v in cfg.items() if k != "maxnreg"}
         return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
     if unroll is not None:

@@ -65,9 +65,9 @@ def make_case(args):
                               num_splits=splits, config=dict(cfg))
 
     ctx_cfg = None
-    if args.maxnreg:  # the tile paged_attention would pick, with a register cap
+    if args.maxnreg is not None:  # the tile paged_attention would pick, with this register cap (0: none)
         ctx_cfg = dict(paged_config(meta.max_seqlen_q * hq // hkv, d, dev, 2, -(-meta.max_context_len // c_splits),
-                                    meta.num_seqs * hkv), maxnreg=args.maxnreg)
+                                    meta.num_seqs * hkv), maxnreg=args.maxnreg or None)
         print(f"context config {ctx_cfg}", flush=True)
 
     def ctx_step():
@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--splits", type=int, default=None)
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--block-n", type=int, default=None)
-    p.add_argument("--maxnreg", type=int, default=None, help="register cap of the context kernel (ctx)")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap of the context kernel (ctx; 0: none)")
     p.add_argument("--triton", action="store_true", help="the Triton system kernel instead of Gluon")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")

@@ -4,8 +4,8 @@
 # Parts (default: times profile):
 #   times    graph-replayed times of the launches profiled below (device_ncu.py --time)
 #   profile  one profiled launch of each: speed of light, occupancy, scheduler, memory
-#   stalls   per-instruction stall ratios of the system and context kernels at batch 256
-#   regs     the context kernel timed with register caps (more programs an SM)
+#   stalls   stall ratios, tensor pipe, registers and spills of the system and context kernels at batch 256
+#   regs     the context kernel timed without and with its register cap, twice (alternating)
 # Writes $OUT/ncu_*.log (./out when OUT is unset) and prints the headline lines last.
 # Usage: bash scripts/device_ncu.sh [times] [profile] [stalls] [regs]
 set -uo pipefail
@@ -39,19 +39,17 @@ for part in "${parts[@]}"; do
       grep -E "^===|Duration|SM Active Cycles|Compute \(SM\) Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Waves Per SM|rc " "$OUT/ncu.log" ;;
     stalls)
       "$NCU" --query-metrics 2>/dev/null | grep -iE "gmma|warps_issue_stalled" | head -60 > "$OUT/ncu_metric_names.log"
-      for c in "--what sys --batch 256 --system 2048" "--what ctx --batch 256 --own 300" "--what ctx --batch 64 --own 128"; do
+      for c in "--what sys --batch 256 --system 2048" "--what ctx --batch 256 --own 300" "--what ctx --batch 256 --own 300 --maxnreg 0"; do
         echo "=== stalls $c" | tee -a "$OUT/ncu_stalls.log"
         timeout 150 "$NCU" --clock-control none --kernel-name "$(kernel_of "$c")" --launch-skip 2 --launch-count 1 \
-          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,gpu__time_duration.sum,regex:sm__pipe_tensor_op_gmma.*,sm__warps_active.avg.per_cycle_active,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,gpu__time_duration.sum,sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread,smsp__sass_inst_executed_op_local_st.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
           python3 scripts/device_ncu.py $c >> "$OUT/ncu_stalls.log" 2>&1
         echo "rc $?" >> "$OUT/ncu_stalls.log"
       done
-      grep -E "^===|stalled|gmma|duration|warps_active|dram__|rc " "$OUT/ncu_stalls.log" | awk '$NF != "0" && $NF != "0.00"' ;;
+      grep -E "^===|stalled|qgmma|duration|warps_active|dram__|registers|local_st|rc " "$OUT/ncu_stalls.log" | awk '$NF != "0" && $NF != "0.00"' ;;
     regs)
-      for shape in "--batch 256 --own 300" "--batch 64 --own 300" "--batch 256 --own 128" "--batch 64 --own 128" "--batch 256 --own 800"; do
-        for r in 0 128 104 96; do
-          if [ "$r" = 0 ]; then timed --what ctx $shape; else timed --what ctx $shape --maxnreg $r; fi
-        done
+      for shape in "--batch 256 --own 300" "--batch 128 --own 450" "--batch 256 --own 128"; do
+        for r in 0 128 0 128; do timed --what ctx $shape --maxnreg $r; done
       done ;;
     *) echo "unknown part $part (times, profile, stalls, regs)"; exit 2 ;;
   esac
