@@ -204,6 +204,9 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
 # H200, llama3-8b heads, one graphed launch (scripts/device_ncu.sh regs): 103.3 -> 94.1 us at
 # batch 256 x 300 own keys, 53.9 -> 49.8 us at 256 x 128; 104 or 96 registers gained nothing more.
 MAX_REGISTERS_SHORT_TILE = 128
+# Decode key ranges up to this many keys take the 32-key tile (a graph plans for its context
+# bucket, the next of 256, 1024, 4096 above the longest own context).
+SHORT_TILE_KEYS = 512
 
 
 def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2,
@@ -231,7 +234,7 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
     if block_m >= 128:
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1)
-    elif block_m <= 16 and keys <= 512:  # six programs an SM with or without read-ahead (registers)
+    elif block_m <= 16 and keys <= SHORT_TILE_KEYS:  # six programs an SM uncapped, with or without read-ahead
         cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3 if ahead else 2, per_sm=4)
         if device.type == "cuda" and not ahead:
             # 165 registers a thread bind this tile to six programs an SM; capped at 128

@@ -7,7 +7,7 @@ early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merg
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
 grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
 for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
-combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap; `prefill-serial` reads a prefill back before the next step
+combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap; `short-N` gives decode key ranges up to N that tile; `prefill-serial` reads a prefill back before the next step
 launches, as the engine did before the eleventh session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
@@ -56,7 +56,9 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             # the engine before 08dac57: a prefill is read back before the next step launches
             "prefill-serial": dict(prefill_serial=True),
             # the 32-key tile without its register cap (six programs an SM instead of eight)
-            "no-maxnreg": dict(drop_maxnreg=True)}
+            "no-maxnreg": dict(drop_maxnreg=True),
+            # decode key ranges up to 1024 (a graph's 1024-key context bucket) take the 32-key tile
+            "short-1024": dict(short_tile_keys=1024), "short-512": dict(short_tile_keys=512)}
 
 
 def resolve(name: str) -> dict:
@@ -78,6 +80,8 @@ def variant(change: dict):
     block_n_only = change.pop("block_n_only", None)
     prefill_serial = change.pop("prefill_serial", False)
     drop_maxnreg = change.pop("drop_maxnreg", False)
+    short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
+    short_default = tca.SHORT_TILE_KEYS
     config, merge, step = tca.paged_config, triton_ops.merge_partials, Engine._step
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
@@ -88,6 +92,7 @@ def variant(change: dict):
             cfg = {k: v for k, v in cfg.items() if k != "maxnreg"}
         return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
+    tca.SHORT_TILE_KEYS = short_keys
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
     if prefill_serial:
@@ -103,6 +108,7 @@ def variant(change: dict):
         yield
     finally:
         tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
+        tca.SHORT_TILE_KEYS = short_default
 
 
 def percent(fraction: float | None) -> str:

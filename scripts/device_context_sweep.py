@@ -52,15 +52,22 @@ CONFIGS += [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, bt_ahead=True
 
 
 def parse_configs(text: str) -> list[dict]:
-    """'64:4:3:a,128:8:2' -> decode tile configs (BLOCK_N:num_warps:num_stages, :a for bt_ahead)."""
+    """'64:4:3:a,32:2:2:r' -> decode tile configs (BLOCK_N:num_warps:num_stages, then flags:
+    a for bt_ahead, r for a 128-register cap)."""
     configs = []
     for item in text.split(","):
         fields = item.split(":")
-        if len(fields) not in (3, 4) or (len(fields) == 4 and fields[3] != "a"):
-            raise SystemExit(f"bad config {item!r}: use BLOCK_N:num_warps:num_stages, with :a for bt_ahead")
+        flags = fields[3] if len(fields) == 4 else ""
+        if len(fields) not in (3, 4) or not set(flags) <= {"a", "r"}:
+            raise SystemExit(f"bad config {item!r}: use BLOCK_N:num_warps:num_stages, with :a for bt_ahead, "
+                             f":r for a 128-register cap (:ar for both)")
         block_n, warps, stages = map(int, fields[:3])
         cfg = dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        configs.append(dict(cfg, bt_ahead=True) if len(fields) == 4 else cfg)
+        if "a" in flags:
+            cfg["bt_ahead"] = True
+        if "r" in flags:
+            cfg["maxnreg"] = 128
+        configs.append(cfg)
     return configs
 
 
