@@ -397,6 +397,32 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_short_context_tile_with_its_register_cap_gives_the_same_bits(dtype):
+    """Relay's decode context step over short own contexts (the capped 32-key tile) writes the
+    same bits with and without the cap, and matches the float64 reference."""
+    from kernels.triton_context_attention import paged_config
+    rng = random.Random()
+    n = rng.randint(80, 300)
+    q, kc, vc, _, meta = random_problem(q_lens=[1] * n, ctx_lens=[rng.randint(1, 500) for _ in range(n)],
+                                        prefix_of=[1] * n, prefix_lens=[], num_q_heads=32, num_kv_heads=8,
+                                        head_dim=128, dtype=dtype, device="cuda")
+    capped = paged_config(4, 128, q.device, q.element_size(), meta.max_context_len)
+    assert capped.get("maxnreg") == 128, capped
+    uncapped = {k: v for k, v in capped.items() if k != "maxnreg"}
+    outs = []
+    for cfg in (capped, uncapped):
+        out = torch.full((1,) + tuple(q.shape), float("nan"), dtype=dtype, device="cuda")
+        lse = torch.full((1,) + tuple(q.shape[:2]), float("nan"), device="cuda")
+        paged_attention(q, kc, vc, meta, 128 ** -0.5, out=out, lse=lse, config=cfg)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    want, _ = ref.context_attention(q.double(), kc.double(), vc.double(), meta, 128 ** -0.5)
+    assert rel_err(outs[0][0][0], want) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_system_attention_large(dtype):
     q = torch.randn(256, 32, 128, device="cuda").to(dtype)
     k, v = (torch.randn(4099, 8, 128, device="cuda").to(dtype) for _ in range(2))
@@ -488,6 +514,18 @@ def test_decode_tiles_read_block_ids_ahead_only_on_grids_that_leave_the_chip_idl
         for full in (paged_config(4, 64, dev, 2, keys, num_programs=slots + 1), paged_config(4, 64, dev, 2, keys)):
             assert not full.get("bt_ahead") and full["num_stages"] == 2 and full["per_sm"] == 4, full
     assert not paged_config(32, 64, dev, 2, 4096, num_programs=1).get("bt_ahead")  # prefill rows: unchanged
+
+
+def test_short_decode_tile_carries_a_register_cap_on_cuda_only():
+    """The full-grid 32-key decode tile is capped at 128 registers on CUDA (eight programs an
+    SM instead of six); the interpreter, longer key ranges and prefill rows get no cap."""
+    from kernels.triton_context_attention import MAX_REGISTERS_SHORT_TILE, paged_config
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # paged_config only reads the device type here
+    short = paged_config(4, 128, cuda, 2, 300)
+    assert short["BLOCK_N"] == 32 and short["maxnreg"] == MAX_REGISTERS_SHORT_TILE == 128, short
+    assert "maxnreg" not in paged_config(4, 128, cpu, 2, 300)
+    assert "maxnreg" not in paged_config(4, 128, cuda, 2, 4096)
+    assert "maxnreg" not in paged_config(64, 128, cuda, 2, 300)
 
 
 def test_relay_context_launches_plan_read_ahead_from_their_grid_and_the_baseline_does_not(monkeypatch):
