@@ -8,6 +8,7 @@ PyTorch's fused CPU attention, kernels/cpu_flash.py) or "triton" (CUDA kernels).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -80,9 +81,14 @@ class PagedAttention:
         num_layers = len(k_caches)
         # Per layer, the (k, v) of every prefix slot: what the kernels take.
         self.prefix_layers = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
+        # the second stream of relay's overlapped decode step (context beside system), one per
+        # engine so every captured graph forks onto the same stream
+        self.side_stream = None
         if impl == "triton":
             from kernels import triton_ops
             self._ops = triton_ops
+            if mode == "relay" and k_caches and k_caches[0].is_cuda:
+                self.side_stream = triton_ops.pool_stream(k_caches[0].device)
         elif impl == "cpu-flash":
             from kernels import cpu_flash
             self._ops = cpu_flash
@@ -97,6 +103,8 @@ class PagedAttention:
         cache (the same values as rope, then write_kv)."""
         ops, scale = self._ops, self.scale
         fn = ops.relay_attention if self.mode == "relay" else ops.prefix_paged_attention
+        if self.side_stream is not None:
+            fn = functools.partial(fn, side_stream=self.side_stream)
         fuse = self.impl == "triton"
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:

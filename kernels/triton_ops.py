@@ -25,9 +25,13 @@ __all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", 
 
 
 def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """RelayAttention; same contract as kernels.reference.relay_attention. Returns o [N, Hq, D]."""
-    return relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale)
+                    prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                    side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """RelayAttention; same contract as kernels.reference.relay_attention. Returns o [N, Hq, D].
+
+    side_stream: the stream the overlapped context step runs on (the engine passes the one
+    its attention backend owns); None takes one from torch's stream pool."""
+    return relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, side_stream=side_stream)
 
 
 def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -35,7 +39,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          sys_splits: int | None = None, ctx_splits: int | None = None,
                          sys_config: dict | None = None, ctx_config: dict | None = None,
                          overlap: bool | None = None, system_side: bool = False,
-                         one_grid: bool = False, grid_config: dict | None = None) -> torch.Tensor:
+                         one_grid: bool = False, grid_config: dict | None = None,
+                         side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -51,6 +56,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     in one launch (kernels/triton_relay_grid.py, grid_config its tiles), then the merge
     kernel; other steps take the paths above, which compute the same function. On the
     H200 it was slower than context first in every config tried (docs/benchmarks.md).
+    side_stream: the overlap's second stream, owned by the caller (kernels.backend.PagedAttention
+    keeps one per engine); None takes one from torch's stream pool (high priority with system_side).
     """
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
@@ -103,7 +110,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return out[0]
     if overlap and q.is_cuda:
         main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device, high_priority=system_side)
+        side = side_stream if side_stream is not None else pool_stream(q.device, high_priority=system_side)
         side.wait_stream(main)
         first, second = (system_step, context_step) if system_side else (context_step, system_step)
         with torch.cuda.stream(side):
@@ -116,19 +123,11 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device, high_priority: bool = False):
-    """One reusable side stream per device and priority (creating streams per call leaks them in graphs).
-
-    CUDA clamps a priority past its range to the highest one; lower numbers run first.
-    """
-    index = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
-    key = (index, high_priority)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=-100 if high_priority else 0)
-    return _SIDE_STREAMS[key]
+def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
+    """A stream from torch's per-device pool (torch.cuda.Stream hands out pooled streams
+    round-robin, so a call per step creates none); high priority: the block scheduler places
+    its programs first."""
+    return torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)  # clamped to the highest
 
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

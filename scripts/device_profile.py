@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.variant != "default":  # the engine's attend looks relay_attention up on the module at each call
         kw = VARIANTS[args.variant]
-        triton_ops.relay_attention = lambda *a: triton_ops.relay_attention_with(*a, **kw)
+        triton_ops.relay_attention = lambda *a, **k: triton_ops.relay_attention_with(*a, **k, **kw)
     rng = random.Random(0)
     lm = load_model(f"dummy:{args.preset}", dtype="bfloat16", device="cuda")
     ids = [rng.randrange(lm.config.vocab_size) for _ in range(args.prefix)]

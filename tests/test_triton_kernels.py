@@ -551,6 +551,28 @@ def test_relay_context_launches_plan_read_ahead_from_their_grid_and_the_baseline
     assert seen and all(n is None for n in seen), seen
 
 
+def test_backend_gives_every_relay_call_its_one_side_stream(monkeypatch):
+    """The engine's attention backend owns the overlap's second stream and passes it to each
+    relay call (no module-level cache); the baseline takes none."""
+    import types
+    from kernels import backend, triton_ops
+    calls = []
+    monkeypatch.setattr(triton_ops, "relay_attention", lambda *a, **k: calls.append(("relay", k)) or a[0])
+    monkeypatch.setattr(triton_ops, "prefix_paged_attention", lambda *a, **k: calls.append(("base", k)) or a[0])
+    monkeypatch.setattr(triton_ops, "write_kv", lambda *a: None)
+    caches = [torch.zeros(2, 16, 1, 16)]
+    meta = types.SimpleNamespace(slot_mapping=None)
+    relay = backend.PagedAttention(caches, caches, [], "relay", "triton", 0.25)
+    assert relay.side_stream is None  # CPU caches: no stream
+    relay.side_stream = stream = object()
+    x = torch.zeros(1, 1, 16)
+    for _ in range(2):
+        relay.attend_fn(meta)(0, x, x, x)
+    backend.PagedAttention(caches, caches, [], "no-relay", "triton", 0.25).attend_fn(meta)(0, x, x, x)
+    assert [c[0] for c in calls] == ["relay", "relay", "base"]
+    assert all(k["side_stream"] is stream for _, k in calls[:2]) and "side_stream" not in calls[2][1]
+
+
 def test_merge_unroll_keeps_loads_in_flight_only_for_grids_that_leave_the_chip_idle():
     from kernels.triton_plan import merge_unroll, num_sms
     dev = torch.device("cpu")
