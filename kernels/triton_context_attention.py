@@ -210,7 +210,8 @@ SHORT_TILE_KEYS = 512
 
 
 def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2,
-                 keys: int = 1 << 30, num_programs: int | None = None) -> dict:
+                 keys: int = 1 << 30, num_programs: int | None = None,
+                 short_keys: int = SHORT_TILE_KEYS) -> dict:
     """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM.
 
     A decode program over few keys (relay's own keys) is latency-bound: 32-key tiles and
@@ -229,12 +230,13 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     tenth session). Only relay's context step was timed with it (paged_attention's
     read_ahead); the baseline's launches pass None. On CUDA the full-grid 32-key tile
     carries a register cap (maxnreg, a launch option), so more of its programs share an SM.
+    short_keys: key ranges up to this take the 32-key tile (scripts' A/B variants move it).
     """
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
     ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
     if block_m >= 128:
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1)
-    elif block_m <= 16 and keys <= SHORT_TILE_KEYS:  # six programs an SM uncapped, with or without read-ahead
+    elif block_m <= 16 and keys <= short_keys:  # six programs an SM uncapped, with or without read-ahead
         cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3 if ahead else 2, per_sm=4)
         if device.type == "cuda" and not ahead:
             # 165 registers a thread bind this tile to six programs an SM; capped at 128

@@ -81,18 +81,16 @@ def variant(change: dict):
     prefill_serial = change.pop("prefill_serial", False)
     drop_maxnreg = change.pop("drop_maxnreg", False)
     short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
-    short_default = tca.SHORT_TILE_KEYS
     config, merge, step = tca.paged_config, triton_ops.merge_partials, Engine._step
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
-        cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs)
+        cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs, short_keys=short_keys)
         applies = (cfg["BLOCK_M"] <= 16 and (cfg.get("bt_ahead", False) or not small_only)
                    and block_n_only in (None, cfg["BLOCK_N"]))
         if drop_maxnreg:
             cfg = {k: v for k, v in cfg.items() if k != "maxnreg"}
         return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
-    tca.SHORT_TILE_KEYS = short_keys
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
     if prefill_serial:
@@ -108,7 +106,6 @@ def variant(change: dict):
         yield
     finally:
         tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
-        tca.SHORT_TILE_KEYS = short_default
 
 
 def percent(fraction: float | None) -> str:
