@@ -81,14 +81,15 @@ class PagedAttention:
         num_layers = len(k_caches)
         # Per layer, the (k, v) of every prefix slot: what the kernels take.
         self.prefix_layers = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
-        # the second stream of relay's overlapped decode step (context beside system), one per
-        # engine so every captured graph forks onto the same stream
+        # the second stream of relay's overlapped decode step (the system kernel, launched
+        # first; high priority, as it was timed), one per engine so every captured graph
+        # forks onto the same stream
         self.side_stream = None
         if impl == "triton":
             from kernels import triton_ops
             self._ops = triton_ops
             if mode == "relay" and k_caches and k_caches[0].is_cuda:
-                self.side_stream = triton_ops.pool_stream(k_caches[0].device)
+                self.side_stream = triton_ops.pool_stream(k_caches[0].device, high_priority=True)
         elif impl == "cpu-flash":
             from kernels import cpu_flash
             self._ops = cpu_flash

@@ -17,7 +17,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import split_plan, system_config
+from kernels.triton_plan import resident_splits, split_plan, system_config
 from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
@@ -38,7 +38,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float, *,
                          sys_splits: int | None = None, ctx_splits: int | None = None,
                          sys_config: dict | None = None, ctx_config: dict | None = None,
-                         overlap: bool | None = None, system_side: bool = False,
+                         overlap: bool | None = None, system_side: bool | None = None,
+                         resident: bool | None = None,
                          one_grid: bool = False, grid_config: dict | None = None,
                          side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
@@ -47,11 +48,15 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     on two streams at once; the context then writes a partial and the merge kernel
     finishes, instead of the fused epilogue. None: only for decode steps captured in a
     CUDA graph, where the extra stream costs no host time (eager, that time exceeds the
-    gain). By default the context kernel goes first, on the side stream. system_side:
-    the system kernel goes first instead, on a high-priority side stream, so the block
-    scheduler places its programs ahead of the context kernel's many small ones. On the
-    H200 neither order overlaps the two kernels (scripts/device_context_sweep.py
-    --overlap; docs/benchmarks.md), so the engine keeps the default.
+    gain). system_side: the system kernel goes first, on the side stream, so the block
+    scheduler places its programs ahead of the context kernel's many small ones (None:
+    whenever the step overlaps; False: the context first, the engine before the
+    thirteenth session). resident: with system_side, plan the system split count so that
+    its programs take at most one slot an SM and context programs run beside them
+    (plan_system_splits: None where that fits under the context step, True always,
+    False never). H200, llama3-8b heads, graphed: the system kernel first was 2-6% faster
+    than the context first at three shapes, and one program an SM 5-10% faster again
+    where the context step is the larger (docs/kernels.md).
     one_grid: a decode step with one prefix group and an unsplit context runs both roles
     in one launch (kernels/triton_relay_grid.py, grid_config its tiles), then the merge
     kernel; other steps take the paths above, which compute the same function. On the
@@ -61,6 +66,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
+    if system_side is None:
+        system_side = overlap
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -69,12 +76,10 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     s_splits = 0
     if groups:
-        rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group
-        s_cfg = dict(sys_config or system_config(rows, d, q.device, q.element_size()))
-        programs = triton.cdiv(rows, s_cfg["BLOCK_M"]) * hkv
-        longest = max(k.shape[0] for _, k, _ in groups)
-        s_splits, _ = split_plan(longest, programs, q.device, s_cfg["BLOCK_N"], sys_splits,
-                                 per_sm=s_cfg.get("per_sm", 1))
+        s_cfg = sys_config or system_config(max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group, d,
+                                            q.device, q.element_size())
+        s_splits = plan_system_splits(meta, groups, hq, hkv, d, q.element_size(), q.device, s_cfg, sys_splits,
+                                      resident if overlap and system_side else False)
     overlap = overlap and bool(groups)
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
@@ -121,6 +126,42 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         system_step()
         context_step()
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
+
+
+def plan_system_splits(meta: AttentionMetadata, groups: list, num_heads: int, num_kv_heads: int, head_dim: int,
+                       elem: int, device: torch.device, config: dict, num_splits: int | None,
+                       resident: bool | None) -> int:
+    """The system step's split count (num_splits, when given, wins).
+
+    groups: (PrefixGroup, k_sys, v_sys) of the step; config: the system tile. resident:
+    False plans for the tile's per_sm programs an SM (split_plan); None plans for at most
+    one an SM where triton_plan.resident_splits finds that the system kernel then fits
+    under the context step, else as False; True plans for at most one an SM regardless.
+    """
+    rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * (num_heads // num_kv_heads)
+    programs = triton.cdiv(rows, config["BLOCK_M"]) * num_kv_heads
+    longest = max(k.shape[0] for _, k, _ in groups)
+    if num_splits is None and resident is not False:
+        flops, sys_bytes, ctx_bytes = overlap_work(meta, groups, num_heads, num_kv_heads, head_dim, elem)
+        fit = resident_splits(programs, longest, config["BLOCK_M"], head_dim, sys_bytes, ctx_bytes, device)
+        if fit is not None:
+            return fit
+        if resident:
+            return split_plan(longest, programs, device, config["BLOCK_N"], per_sm=1)[0]
+    return split_plan(longest, programs, device, config["BLOCK_N"], num_splits, per_sm=config.get("per_sm", 1))[0]
+
+
+def overlap_work(meta: AttentionMetadata, groups: list, num_heads: int, num_kv_heads: int, head_dim: int,
+                 elem: int) -> tuple[float, float, float]:
+    """(system flops, system bytes, context bytes) of a step, from host-side sizes only.
+
+    The context is priced at meta.max_context_len for every sequence (a CUDA graph's
+    bucket: an upper bound), since the real lengths live on the device.
+    """
+    flops = sum(4.0 * g.query_indices.shape[0] * num_heads * k.shape[0] * head_dim for g, k, _ in groups)
+    sys_bytes = sum(2.0 * k.shape[0] * num_kv_heads * head_dim * elem for _, k, _ in groups)
+    ctx_bytes = 2.0 * meta.num_seqs * meta.max_context_len * num_kv_heads * head_dim * elem
+    return flops, sys_bytes, ctx_bytes
 
 
 def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:

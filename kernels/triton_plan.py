@@ -42,6 +42,40 @@ def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
     return num_splits, per
 
 
+# bf16 matrix work a byte of HBM traffic pays for on the H200: 745-790 TFLOP/s over 4.0-4.2
+# TB/s of copy bandwidth, as measured at the start of every kernel table (docs/kernels.md)
+RIDGE_FLOPS_PER_BYTE = 185
+
+
+def resident_splits(programs: int, num_keys: int, block_m: int, head_dim: int, sys_bytes: float,
+                    ctx_bytes: float, device: torch.device) -> int | None:
+    """Split count that lets an overlapped decode step run its system kernel beside the context.
+
+    programs: the system kernel's row tiles x KV heads before any split. Planned for two
+    programs an SM, the system kernel's programs fill each SM's shared memory and the
+    context kernel's wait behind them: the two run one after the other. With at most one
+    an SM, context programs fill the rest of every SM, so the system kernel costs nothing
+    while its programs finish before the context does. Returns the fewest splits (a power
+    of two, at most one program an SM) whose program does its matrix work, at one SM's
+    share of the matmul rate, in less time than the context step reads its bytes; None
+    when none does, or when the system step is bound by bytes (it would compete with the
+    context for the same bandwidth). H200, llama3-8b heads, graphed relay step
+    (docs/kernels.md, thirteenth session; context first: 120.0 and 53.0 us): batch 256,
+    2,048 prefix tokens, 300 own ones: 112.4 us at one split against 117.9 us at the two
+    of two programs an SM; batch 64: 44.9 us at one split (32 programs) against 50.1 us.
+    """
+    slots = num_sms(device)
+    flops = 4.0 * programs * block_m * num_keys * head_dim
+    if flops / RIDGE_FLOPS_PER_BYTE <= sys_bytes:
+        return None
+    splits = 1
+    while programs * splits <= slots:
+        if flops / (programs * splits) * slots / RIDGE_FLOPS_PER_BYTE < ctx_bytes:
+            return splits
+        splits *= 2
+    return None
+
+
 def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> dict:
     """Shrink BLOCK_N, then the pipeline depth, until Q + stages * (K + V) tiles fit shared memory."""
     cfg = dict(cfg)

@@ -7,7 +7,9 @@ early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merg
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
 grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
 for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
-combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap; `short-N` gives decode key ranges up to N that tile; `prefill-serial` reads a prefill back before the next step
+combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap; `short-N` gives decode key ranges up to N that tile; `context-first` and
+`system-first-full` undo the overlapped step's plan (the system kernel first, at one
+program an SM where the context is the larger step) in part; `prefill-serial` reads a prefill back before the next step
 launches, as the engine did before the eleventh session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
@@ -58,7 +60,12 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             # the 32-key tile without its register cap (six programs an SM instead of eight)
             "no-maxnreg": dict(drop_maxnreg=True),
             # decode key ranges up to 1024 (a graph's 1024-key context bucket) take the 32-key tile
-            "short-1024": dict(short_tile_keys=1024), "short-512": dict(short_tile_keys=512)}
+            "short-1024": dict(short_tile_keys=1024), "short-512": dict(short_tile_keys=512),
+            # the overlapped step's order and system split plan (triton_ops.relay_attention_with):
+            # the context kernel first, as before the thirteenth session; the system kernel
+            # first but planned for two programs an SM
+            "context-first": dict(relay_kwargs=dict(system_side=False, resident=False)),
+            "system-first-full": dict(relay_kwargs=dict(system_side=True, resident=False))}
 
 
 def resolve(name: str) -> dict:
@@ -81,7 +88,9 @@ def variant(change: dict):
     prefill_serial = change.pop("prefill_serial", False)
     drop_maxnreg = change.pop("drop_maxnreg", False)
     short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
-    config, merge, step = tca.paged_config, triton_ops.merge_partials, Engine._step
+    relay_kwargs = change.pop("relay_kwargs", None)
+    config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
+        triton_ops.relay_attention_with
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
         cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs, short_keys=short_keys)
@@ -93,6 +102,8 @@ def variant(change: dict):
     tca.paged_config = tile
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
+    if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
+        triton_ops.relay_attention_with = functools.partial(relay, **relay_kwargs)
     if prefill_serial:
         def serial_step(engine):
             finished = []
@@ -106,6 +117,7 @@ def variant(change: dict):
         yield
     finally:
         tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
+        triton_ops.relay_attention_with = relay
 
 
 def percent(fraction: float | None) -> str:

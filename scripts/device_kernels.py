@@ -155,7 +155,8 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     so, sl = merge_partials(o_p, l_p, q.dtype)
     check(f"{case} system o", so, want_so)
     check(f"{case} system lse", sl, want_sl)
-    for label, kw in (("relay fused", {}), ("relay overlap", dict(overlap=True))):
+    for label, kw in (("relay fused", {}), ("relay overlap", dict(overlap=True)),
+                      ("relay overlap, context first", dict(overlap=True, system_side=False, resident=False))):
         check(f"{case} {label}", relay_attention_with(q, kc, vc, meta, pre, scale, **kw), want_o)
     tot = kv_sys + kv_own + qo
     if sys_only:
@@ -182,7 +183,8 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     torch.cuda.empty_cache()
     add(case, f"(d) cuDNN per-request ({how})", t_cudnn, tot, flops_all, ceil, t_cudnn, eager=e_cudnn)
     add(case, "(a) system kernel", bench_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
-    for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True))):
+    for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True)),
+                      ("overlap, context first", dict(overlap=True, system_side=False, resident=False))):
         fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
         add(case, f"(b) relay {label}", bench_us(fn_relay), tot, flops_all, ceil, t_cudnn, "default",
             eager_us(fn_relay))

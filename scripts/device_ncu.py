@@ -11,7 +11,7 @@ overlap path), merge (the merge of system + context partials), relay (all three,
 graphed decode step's attention).
 
 Usage: python scripts/device_ncu.py --what sys --model llama3-8b --batch 256 --system 2048
-       [--own 300] [--splits N] [--stages 3] [--block-n 64] [--maxnreg R] [--time] [--repeat 5]
+       [--own 300] [--splits N] [--stages 3] [--block-n 64] [--maxnreg R] [--system-side] [--time] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ def make_case(args):
     def merge_step():
         merge_partials(o_part, lse_part, q.dtype, with_lse=False)
 
-    def relay_step():
-        relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale)
+    def relay_step():  # --splits, --system-side and --maxnreg reach the relay call too
+        relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, sys_splits=args.splits,
+                             system_side=args.system_side, ctx_config=ctx_cfg)
 
     return dict(sys=sys_step, ctx=ctx_step, merge=merge_step, relay=relay_step)[args.what]
 
@@ -104,6 +105,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--block-n", type=int, default=None)
     p.add_argument("--maxnreg", type=int, default=None, help="register cap of the context kernel (ctx; 0: none)")
+    p.add_argument("--system-side", action="store_true",
+                   help="relay: the system kernel first, on a high-priority side stream")
     p.add_argument("--triton", action="store_true", help="the Triton system kernel instead of Gluon")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")
@@ -111,7 +114,8 @@ def main() -> None:
     fn = make_case(args)
     if args.time:
         print(f"time {args.what} {args.model} B={args.batch} S={args.system} own={args.own} "
-              f"splits={args.splits} stages={args.stages} block_n={args.block_n} maxnreg={args.maxnreg}: "
+              f"splits={args.splits} stages={args.stages} block_n={args.block_n} maxnreg={args.maxnreg} "
+              f"system_side={args.system_side}: "
               f"{graph_us(fn):.1f} us", flush=True)
         return
     for _ in range(args.repeat):

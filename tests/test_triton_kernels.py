@@ -154,7 +154,8 @@ def test_context_splits_cut_each_sequence_into_balanced_chunks(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("decode", [True, False])
-@pytest.mark.parametrize("mode", ["default", "split", "fused-6", "overlap", "overlap-system-side"])
+@pytest.mark.parametrize("mode", ["default", "split", "fused-6", "overlap", "overlap-system-side",
+                                  "overlap-context-first"])
 def test_relay_attention(dtype, decode, mode):
     rng = random.Random()
     shape = shapes(rng, decode)
@@ -166,10 +167,12 @@ def test_relay_attention(dtype, decode, mode):
                                    sys_config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2))
     elif mode == "split":  # system split 3 ways, context split 2 ways: partials meet in the merge kernel
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=3, ctx_splits=2, ctx_config=SMALL_CTX)
-    elif mode == "overlap":  # context as one more partial (side stream on CUDA), then the merge kernel
+    elif mode == "overlap":  # context as one more partial (the other stream on CUDA), then the merge kernel
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True)
-    elif mode == "overlap-system-side":  # on CUDA the system kernel goes first, on a high-priority stream
-        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True)
+    elif mode == "overlap-system-side":  # the system kernel first (the overlap's default), at most one an SM
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True, resident=True)
+    elif mode == "overlap-context-first":  # the context kernel first, the system split for two programs an SM
+        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=False, resident=False)
     else:
         got = relay_attention(q, kc, vc, meta, prefixes, scale)
     assert got.shape == q.shape and got.dtype == dtype
@@ -594,3 +597,37 @@ def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
     assert len(seen) > 3  # small batches over long prefixes really split
     assert split_plan(20000, 64, dev, 64) == (1, 20032)  # programs fill every slot: no split
     assert split_plan(1000, 1, dev, 64, num_splits=3)[0] == 3  # a forced count is kept
+
+
+def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_context_is_larger(monkeypatch):
+    from types import SimpleNamespace
+
+    from kernels import triton_plan
+    from kernels.triton_ops import plan_system_splits
+    monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200
+    tile = dict(BLOCK_M=64, BLOCK_N=64, per_sm=2)  # the decode tile: two programs an SM
+
+    def planner(batch, system, context, hq, hkv):
+        meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
+        groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, hkv, 128), None)]
+        return lambda resident, splits=None: plan_system_splits(meta, groups, hq, hkv, 128, 2, torch.device("cpu"),
+                                                                tile, splits, resident)
+
+    # llama3-8b heads, a full batch at 2,048 prefix tokens in a 1,024-key context bucket:
+    # 128 programs of one split take one slot an SM; two an SM would take 2 splits
+    plan = planner(256, 2048, 1024, 32, 8)
+    assert plan(None) == plan(True) == 1 and plan(False) == 2
+    # batch 64: 32 programs are enough to finish under the context step (two an SM: 4 splits)
+    plan = planner(64, 2048, 1024, 32, 8)
+    assert plan(None) == 1 and plan(False) == 4
+    # 8,192 prefix tokens, 128 own: the system step is the larger one and keeps its plan
+    plan = planner(256, 8192, 128, 32, 8)
+    assert plan(None) == plan(False) == 2 and plan(True) == 1
+    plan = planner(64, 8192, 128, 32, 8)
+    assert plan(None) == plan(False) == 8
+    # llama2-7b heads at batch 64: a byte-bound system step would share the bandwidth, not hide
+    plan = planner(64, 8192, 128, 32, 32)
+    assert plan(None) == plan(False)
+    # at batch 256 it is matrix-bound and the context (537 MB) the larger step
+    assert planner(256, 8192, 128, 32, 32)(None) == 1
+    assert plan(None, splits=3) == 3  # a forced count wins
