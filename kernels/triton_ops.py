@@ -17,7 +17,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import resident_splits, split_plan, system_config
+from kernels.triton_plan import matrix_bound, resident_splits, split_plan, system_config
 from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
@@ -50,13 +50,14 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     CUDA graph, where the extra stream costs no host time (eager, that time exceeds the
     gain). system_side: the system kernel goes first, on the side stream, so the block
     scheduler places its programs ahead of the context kernel's many small ones (None:
-    whenever the step overlaps; False: the context first, the engine before the
-    thirteenth session). resident: with system_side, plan the system split count so that
+    when the step overlaps and its system step is matrix-bound; False: the context
+    first, as the engine did for every step before the thirteenth session). resident: with system_side, plan the system split count so that
     its programs take at most one slot an SM and context programs run beside them
     (plan_system_splits: None where that fits under the context step, True always,
-    False never). H200, llama3-8b heads, graphed: the system kernel first was 2-6% faster
-    than the context first at three shapes, and one program an SM 5-10% faster again
-    where the context step is the larger (docs/kernels.md).
+    False never). H200, graphed (docs/kernels.md): the system kernel first was 2-6% faster
+    than the context first at three llama3-8b shapes and 6% slower for llama2-7b at batch
+    64 (a byte-bound system step), and one program an SM 5-14% faster again where the
+    context step is the larger.
     one_grid: a decode step with one prefix group and an unsplit context runs both roles
     in one launch (kernels/triton_relay_grid.py, grid_config its tiles), then the merge
     kernel; other steps take the paths above, which compute the same function. On the
@@ -66,13 +67,14 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
-    if system_side is None:
-        system_side = overlap
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     groups = group_prefixes(meta, prefixes)
+    if system_side is None:  # a byte-bound system step gains nothing from going first
+        system_side = overlap and bool(groups) and matrix_bound(*overlap_work(meta, groups, hq, hkv, d,
+                                                                               q.element_size())[:2])
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     s_splits = 0
     if groups:

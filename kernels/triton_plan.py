@@ -66,7 +66,7 @@ def resident_splits(programs: int, num_keys: int, block_m: int, head_dim: int, s
     """
     slots = num_sms(device)
     flops = 4.0 * programs * block_m * num_keys * head_dim
-    if flops / RIDGE_FLOPS_PER_BYTE <= sys_bytes:
+    if not matrix_bound(flops, sys_bytes):
         return None
     splits = 1
     while programs * splits <= slots:
@@ -74,6 +74,11 @@ def resident_splits(programs: int, num_keys: int, block_m: int, head_dim: int, s
             return splits
         splits *= 2
     return None
+
+
+def matrix_bound(flops: float, num_bytes: float) -> bool:
+    """Whether work of these flops and HBM bytes takes longer at the matmul rate than at copy bandwidth."""
+    return flops / RIDGE_FLOPS_PER_BYTE > num_bytes
 
 
 def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> dict:

@@ -603,15 +603,18 @@ def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_
     from types import SimpleNamespace
 
     from kernels import triton_plan
-    from kernels.triton_ops import plan_system_splits
+    from kernels.triton_ops import overlap_work, plan_system_splits
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200
     tile = dict(BLOCK_M=64, BLOCK_N=64, per_sm=2)  # the decode tile: two programs an SM
 
     def planner(batch, system, context, hq, hkv):
         meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
         groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, hkv, 128), None)]
-        return lambda resident, splits=None: plan_system_splits(meta, groups, hq, hkv, 128, 2, torch.device("cpu"),
-                                                                tile, splits, resident)
+        plan = lambda resident, splits=None: plan_system_splits(meta, groups, hq, hkv, 128, 2,  # noqa: E731
+                                                                torch.device("cpu"), tile, splits, resident)
+        # the overlapped step puts the system kernel first only where it is matrix-bound
+        plan.first = triton_plan.matrix_bound(*overlap_work(meta, groups, hq, hkv, 128, 2)[:2])
+        return plan
 
     # llama3-8b heads, a full batch at 2,048 prefix tokens in a 1,024-key context bucket:
     # 128 programs of one split take one slot an SM; two an SM would take 2 splits
@@ -624,10 +627,10 @@ def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_
     plan = planner(256, 8192, 128, 32, 8)
     assert plan(None) == plan(False) == 2 and plan(True) == 1
     plan = planner(64, 8192, 128, 32, 8)
-    assert plan(None) == plan(False) == 8
+    assert plan(None) == plan(False) == 8 and plan.first
     # llama2-7b heads at batch 64: a byte-bound system step would share the bandwidth, not hide
     plan = planner(64, 8192, 128, 32, 32)
-    assert plan(None) == plan(False)
+    assert plan(None) == plan(False) and not plan.first  # and the context kernel goes first
     # at batch 256 it is matrix-bound and the context (537 MB) the larger step
-    assert planner(256, 8192, 128, 32, 32)(None) == 1
+    assert planner(256, 8192, 128, 32, 32)(None) == 1 and planner(256, 8192, 128, 32, 32).first
     assert plan(None, splits=3) == 3  # a forced count wins
