@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from kernels import gluon_system_attention as current  # noqa: E402
+from scripts.device_ncu import graph_us  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 BLOCK_M = BLOCK_N = 64
@@ -41,15 +41,6 @@ def _empty_kernel(x_ptr):
     """Nothing: the grid's launch and drain alone."""
     if tl.program_id(0) < 0:
         tl.store(x_ptr, 0.0)
-
-
-def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def load_module(name: str, path: str):
