@@ -81,9 +81,9 @@ class PagedAttention:
         num_layers = len(k_caches)
         # Per layer, the (k, v) of every prefix slot: what the kernels take.
         self.prefix_layers = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
-        # the second stream of relay's overlapped decode step (the system kernel, launched
-        # first; high priority, as it was timed), one per engine so every captured graph
-        # forks onto the same stream
+        # the second stream of relay's overlapped decode step (whichever kernel the step
+        # launches first; high priority, as it was timed), one per engine so every captured
+        # graph forks onto the same stream
         self.side_stream = None
         if impl == "triton":
             from kernels import triton_ops

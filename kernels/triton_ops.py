@@ -51,10 +51,10 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     gain). system_side: the system kernel goes first, on the side stream, so the block
     scheduler places its programs ahead of the context kernel's many small ones (None:
     when the step overlaps and its system step is matrix-bound; False: the context
-    first, as the engine did for every step before the thirteenth session). resident: with system_side, plan the system split count so that
-    its programs take at most one slot an SM and context programs run beside them
-    (plan_system_splits: None where that fits under the context step, True always,
-    False never). H200, graphed (docs/kernels.md): the system kernel first was 2-6% faster
+    first, as the engine did for every step before the thirteenth session). resident:
+    with system_side, plan the system split count so that its programs take at most one
+    slot an SM and context programs run beside them (plan_system_splits: None where that
+    fits under the context step, True always, False never). H200, graphed (docs/kernels.md): the system kernel first was 2-6% faster
     than the context first at three llama3-8b shapes and 6% slower for llama2-7b at batch
     64 (a byte-bound system step), and one program an SM 5-14% faster again where the
     context step is the larger.
@@ -70,18 +70,16 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
-    group = hq // hkv
     groups = group_prefixes(meta, prefixes)
+    # the step's sizes, which the overlapped step's order and system split plan go by
+    work = overlap_work(meta, groups, hq, hkv, d, q.element_size()) if overlap and groups else None
     if system_side is None:  # a byte-bound system step gains nothing from going first
-        system_side = overlap and bool(groups) and matrix_bound(*overlap_work(meta, groups, hq, hkv, d,
-                                                                               q.element_size())[:2])
+        system_side = work is not None and matrix_bound(*work[:2])
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     s_splits = 0
     if groups:
-        s_cfg = sys_config or system_config(max(int(g.query_indices.shape[0]) for g, _, _ in groups) * group, d,
-                                            q.device, q.element_size())
-        s_splits = plan_system_splits(meta, groups, hq, hkv, d, q.element_size(), q.device, s_cfg, sys_splits,
-                                      resident if overlap and system_side else False)
+        s_splits = plan_system_splits(groups, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
+                                      resident if work is not None and system_side else False, work)
     overlap = overlap and bool(groups)
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
@@ -130,21 +128,24 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 
-def plan_system_splits(meta: AttentionMetadata, groups: list, num_heads: int, num_kv_heads: int, head_dim: int,
-                       elem: int, device: torch.device, config: dict, num_splits: int | None,
-                       resident: bool | None) -> int:
+def plan_system_splits(groups: list, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
+                       device: torch.device, config: dict | None, num_splits: int | None,
+                       resident: bool | None, work: tuple[float, float, float] | None) -> int:
     """The system step's split count (num_splits, when given, wins).
 
-    groups: (PrefixGroup, k_sys, v_sys) of the step; config: the system tile. resident:
-    False plans for the tile's per_sm programs an SM (split_plan); None plans for at most
-    one an SM where triton_plan.resident_splits finds that the system kernel then fits
-    under the context step, else as False; True plans for at most one an SM regardless.
+    groups: (PrefixGroup, k_sys, v_sys) of the step; config: the system tile (None:
+    system_config's). resident: False plans for the tile's per_sm programs an SM
+    (split_plan); None plans for at most one an SM where triton_plan.resident_splits finds
+    that the system kernel then fits under the context step, else as False; True plans
+    for at most one an SM regardless. work: overlap_work's sizes (needed unless resident
+    is False).
     """
     rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * (num_heads // num_kv_heads)
+    config = config or system_config(rows, head_dim, device, elem)
     programs = triton.cdiv(rows, config["BLOCK_M"]) * num_kv_heads
     longest = max(k.shape[0] for _, k, _ in groups)
     if num_splits is None and resident is not False:
-        flops, sys_bytes, ctx_bytes = overlap_work(meta, groups, num_heads, num_kv_heads, head_dim, elem)
+        _, sys_bytes, ctx_bytes = work
         fit = resident_splits(programs, longest, config["BLOCK_M"], head_dim, sys_bytes, ctx_bytes, device)
         if fit is not None:
             return fit

@@ -7,10 +7,12 @@ early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merg
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
 grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
 for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
-combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap; `short-N` gives decode key ranges up to N that tile; `context-first` and
+combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap;
+`short-N` gives decode key ranges up to N that tile; `context-first` and
 `system-first-full` undo the overlapped step's plan (the system kernel first, at one
-program an SM where the context is the larger step) in part; `prefill-serial` reads a prefill back before the next step
-launches, as the engine did before the eleventh session (--no-relay times the baseline).
+program an SM where the context is the larger step) in part; `prefill-serial` reads a
+prefill back before the next step launches, as the engine did before the eleventh
+session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
 Prints each run, then per variant the median of requests/s, of the share of the floor

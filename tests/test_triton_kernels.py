@@ -610,10 +610,11 @@ def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_
     def planner(batch, system, context, hq, hkv):
         meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
         groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, hkv, 128), None)]
-        plan = lambda resident, splits=None: plan_system_splits(meta, groups, hq, hkv, 128, 2,  # noqa: E731
-                                                                torch.device("cpu"), tile, splits, resident)
+        work = overlap_work(meta, groups, hq, hkv, 128, 2)
+        plan = lambda resident, splits=None: plan_system_splits(groups, hq, hkv, 128, 2,  # noqa: E731
+                                                                torch.device("cpu"), tile, splits, resident, work)
         # the overlapped step puts the system kernel first only where it is matrix-bound
-        plan.first = triton_plan.matrix_bound(*overlap_work(meta, groups, hq, hkv, 128, 2)[:2])
+        plan.first = triton_plan.matrix_bound(*work[:2])
         return plan
 
     # llama3-8b heads, a full batch at 2,048 prefix tokens in a 1,024-key context bucket:
