@@ -336,6 +336,35 @@ def test_bench_kernels_tiny(tmp_path):
         assert r["time_us"] > 0 and r["floor_us"] > 0
 
 
+def test_build_step_with_unequal_lengths_attends_each_row_to_its_own_keys():
+    """The probes' job-like steps: row b has lens[b] own keys (its last is the query's
+    slot), max_context_len may be a graph's bucket, and relay over them is attention
+    over the prefix and each row's own keys, checked in float64 row by row."""
+    import torch
+
+    from kernels.reference import naive_attention, relay_attention
+    from relaycli.bench.kernels import build_step
+    gen = torch.Generator()
+    gen.manual_seed(torch.seed())
+    lens = [1, 17, 5, 33, 16]
+    q, kc, vc, pre, meta = build_step(4, 2, 8, len(lens), 12, 0, torch.device("cpu"), torch.float32, gen,
+                                      page=8, lens=lens, max_context_len=64)
+    assert meta.context_lens.tolist() == lens and meta.max_context_len == 64
+    assert meta.block_tables.shape == (len(lens), 5)  # ceil(33 / 8) columns
+    tables = meta.block_tables.long()
+    got = relay_attention(q, kc, vc, meta, pre, 8 ** -0.5)
+    for b, n in enumerate(lens):
+        last = n - 1
+        assert meta.slot_mapping[b] == tables[b, last // 8] * 8 + last % 8
+        k_own = kc[tables[b]].flatten(0, 1)[:n]
+        v_own = vc[tables[b]].flatten(0, 1)[:n]
+        k = torch.cat([pre[0][0], k_own])
+        v = torch.cat([pre[0][1], v_own])
+        want = naive_attention(q[b:b + 1], k, v, 8 ** -0.5, k.shape[0] - 1)[0]
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-6)
+    assert tables.unique().numel() == tables.numel()  # no block shared by two rows
+
+
 def test_bench_refuses_bad_options():
     res = CliRunner().invoke(app, ["bench", "e2e", "--system-tokens", "0,abc", "--device", "cpu"])
     assert res.exit_code == 2 and "--system-tokens" in res.output

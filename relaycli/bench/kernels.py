@@ -56,9 +56,15 @@ class KernelOptions:
 
 
 def build_step(hq: int, hkv: int, d: int, batch: int, system: int, own: int, dev, dtype, gen: torch.Generator,
-               page: int = 16):
-    """q [B, Hq, D], paged own KV with a shuffled block table, one shared prefix (or none)."""
-    per_seq = math.ceil(own / page)
+               page: int = 16, lens: list[int] | None = None, max_context_len: int | None = None):
+    """q [B, Hq, D], paged own KV with a shuffled block table, one shared prefix (or none).
+
+    lens: each row's own keys (default: own for every row; own then sizes the table);
+    max_context_len: what the metadata reports as the longest, as a graph bucket does
+    (default: the longest row)."""
+    lens = [own] * batch if lens is None else list(lens)
+    assert len(lens) == batch and min(lens) >= 1, "lens needs one positive length a row"
+    per_seq = math.ceil(max(lens) / page)
     tables = torch.randperm(batch * per_seq, generator=gen, device=dev).view(batch, per_seq).to(torch.int32)
 
     def rnd(*shape):
@@ -66,14 +72,14 @@ def build_step(hq: int, hkv: int, d: int, batch: int, system: int, own: int, dev
 
     k_cache, v_cache = rnd(batch * per_seq, page, hkv, d), rnd(batch * per_seq, page, hkv, d)
     q = rnd(batch, hq, d)
-    last = own - 1
-    slots = tables[:, last // page].to(torch.int64) * page + last % page
+    last = torch.tensor(lens, device=dev, dtype=torch.int64) - 1
+    slots = tables.gather(1, (last // page).view(-1, 1)).view(-1).to(torch.int64) * page + last % page
     prefixes = [(rnd(system, hkv, d), rnd(system, hkv, d))] if system else []
     rows = torch.arange(batch, device=dev)
     groups = [PrefixGroup(0, system, rows, rows)] if system else []
     meta = AttentionMetadata(True, torch.arange(batch + 1, device=dev, dtype=torch.int32), 1,
-                             torch.full((batch,), own, device=dev, dtype=torch.int32), own, tables, slots, page,
-                             groups)
+                             torch.tensor(lens, device=dev, dtype=torch.int32), max_context_len or max(lens), tables,
+                             slots, page, groups)
     return q, k_cache, v_cache, prefixes, meta
 
 
