@@ -10,7 +10,8 @@ for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key t
 combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap;
 `short-N` gives decode key ranges up to N that tile; `context-first` and
 `system-first-full` undo the overlapped step's plan (the system kernel first, at one
-program an SM where the context is the larger step) in part; `prefill-serial` reads a
+program an SM where the context is the larger step) in part; `sys-32x3`, `sys-32x4` and
+`sys-64x2` give the decode system tile another key tile and stage count; `prefill-serial` reads a
 prefill back before the next step launches, as the engine did before the eleventh
 session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
@@ -38,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import triton_context_attention as tca  # noqa: E402
-from kernels import triton_ops  # noqa: E402
+from kernels import triton_ops, triton_plan  # noqa: E402
+from kernels import triton_system_attention as tsa  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.roofline import ModelShape, measure_ceilings, price_decode  # noqa: E402
@@ -67,7 +69,12 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             # the context kernel first, as before the thirteenth session; the system kernel
             # first but planned for two programs an SM
             "context-first": dict(relay_kwargs=dict(system_side=False, resident=False)),
-            "system-first-full": dict(relay_kwargs=dict(system_side=True, resident=False))}
+            "system-first-full": dict(relay_kwargs=dict(system_side=True, resident=False)),
+            # the decode system tile (64 rows) with other key tiles / stages: less shared
+            # memory a system program leaves more to the context programs beside it
+            "sys-32x3": dict(sys_tile=dict(BLOCK_N=32, num_stages=3)),
+            "sys-32x4": dict(sys_tile=dict(BLOCK_N=32, num_stages=4)),
+            "sys-64x2": dict(sys_tile=dict(BLOCK_N=64, num_stages=2))}
 
 
 def resolve(name: str) -> dict:
@@ -91,8 +98,16 @@ def variant(change: dict):
     drop_maxnreg = change.pop("drop_maxnreg", False)
     short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
     relay_kwargs = change.pop("relay_kwargs", None)
+    sys_tile = change.pop("sys_tile", None)
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
         triton_ops.relay_attention_with
+    sys_config = triton_plan.system_config
+
+    def system_tile(rows, head_dim, device, elem=2):
+        cfg = sys_config(rows, head_dim, device, elem)
+        return dict(cfg, **sys_tile) if cfg["BLOCK_M"] == 64 else cfg  # decode-sized only
+    if sys_tile is not None:  # both modules that plan or launch the system kernel
+        triton_ops.system_config = tsa.system_config = system_tile
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):
         cfg = config(rows_per_seq, head_dim, device, elem, keys, num_programs, short_keys=short_keys)
@@ -120,6 +135,7 @@ def variant(change: dict):
     finally:
         tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
         triton_ops.relay_attention_with = relay
+        triton_ops.system_config = tsa.system_config = sys_config
 
 
 def percent(fraction: float | None) -> str:

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from kernels.triton_context_attention import context_splits, paged_attention, paged_config  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
+from kernels.triton_plan import system_config  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
 from relaycli.engine.cuda_graph import CONTEXT_BUCKET_GROWTH, MIN_CONTEXT_BUCKET  # noqa: E402
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--splits", default="plan,2")
     ap.add_argument("--tiles", default="auto,short,long")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--sys-tiles", default="", help="system tiles BLOCK_N:stages to try beside each row, e.g. 32:3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     hq, hkv, d = HEADS[args.model]
@@ -80,6 +83,8 @@ def main() -> None:
                  "random": (lens, bucket(max(lens))), "longest-first": (longest, bucket(max(lens))),
                  "longest-first@max": (longest, max(lens))}
         for name, (rows, max_len) in cases.items():
+            if args.cases and name not in args.cases.split(","):
+                continue
             gen = torch.Generator(device=dev)
             gen.manual_seed(seed)
             q, kc, vc, pre, meta = build_step(hq, hkv, d, args.batch, args.system, 0, dev, torch.bfloat16, gen,
@@ -107,6 +112,18 @@ def main() -> None:
                     say(f"  {name:17s} tile {tile:5s} BLOCK_N {cfg['BLOCK_N']:2d} ctx splits {c} ({sp:4s}): "
                         f"context kernel {ctx_us:7.1f} us ({gbytes / ctx_us * 1e3:5.2f} TB/s)  "
                         f"relay attention {relay_us:7.1f} us  max diff vs the first {err:.1e}")
+                    for tiles in filter(None, args.sys_tiles.split(",")):
+                        # the system kernel's key tile and stages: less shared memory a program
+                        # leaves more room for the context programs beside it
+                        block_n, stages = (int(x) for x in tiles.split(":"))
+                        sys_cfg = dict(system_config(args.batch * hq // hkv, d, dev, 2), BLOCK_N=block_n,
+                                       num_stages=stages)
+                        sys_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale,  # noqa: E731
+                                                                 ctx_splits=forced, ctx_config=cfg,
+                                                                 sys_config=sys_cfg)
+                        err = (sys_relay().float() - ref.float()).abs().max().item()
+                        say(f"    system tile BLOCK_N {block_n:3d} stages {stages}: relay attention "
+                            f"{graph_us(sys_relay):7.1f} us  max diff vs the first {err:.1e}")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -113,7 +113,9 @@ def main() -> None:
     with frozen_heap():
         sum(1 for _ in eng.generate_tokens(requests(), on_step))
     if args.replay:
-        log = window["log"]
+        if "log" not in window:
+            raise SystemExit(f"the job ended before a window of {args.steps} steps past --skip {args.skip}")
+        log = window["log"][1:]  # the first step's time holds the replays
         times = sorted(t for _, _, t in log)
         bs, key, us = window["replay"]
         print(f"decode graph {key} (batch {bs}) replayed alone, back to back: {us / 1e3:.2f} ms a replay (median); "
