@@ -24,6 +24,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
 
 LOG2E = 1.4426950408889634
 
@@ -48,7 +49,10 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
                          n_queries, seq_len, keys_per_split, qk_scale,
                          stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                          G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, num_warps: gl.constexpr):
+                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr,
+                         num_warps: gl.constexpr):
+    if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
+        gdc_launch_dependents()
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
@@ -170,7 +174,8 @@ def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                                 o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
-                                num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3) -> None:
+                                num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3,
+                                trigger: bool = False) -> None:
     """q [N, Hq, D]; k_sys/v_sys [S, Hkv, D] contiguous; o_part [splits, N, Hq, D]; lse_part [splits, N, Hq].
 
     The caller (system_attention_into) has checked shapes; this checks what only the Gluon
@@ -195,4 +200,4 @@ def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: tor
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, HAS_ROWS=rows is not None,
-        num_warps=block_m // 16)
+        TRIGGER=trigger, num_warps=block_m // 16)

@@ -41,7 +41,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          overlap: bool | None = None, system_side: bool | None = None,
                          resident: bool | None = None,
                          one_grid: bool = False, grid_config: dict | None = None,
-                         side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+                         side_stream: torch.cuda.Stream | None = None, pdl: bool = False) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -64,23 +64,29 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     H200 it was slower than context first in every config tried (docs/benchmarks.md).
     side_stream: the overlap's second stream, owned by the caller (kernels.backend.PagedAttention
     keeps one per engine); None takes one from torch's stream pool (high priority with system_side).
+    pdl: a CUDA decode step with one unsplit context takes the fused path on one stream, the
+    context kernel launched as a programmatic dependent of the system kernel (planned as
+    the overlap plans it): its programs read the own keys while the system kernel runs and
+    wait for it only to fold its partials in, so there is no merge kernel, no side stream
+    and no context partial. Other steps take the paths above. Not yet timed on a GPU.
     """
-    if overlap is None:
-        overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
-    # the step's sizes, which the overlapped step's order and system split plan go by
-    work = overlap_work(meta, groups, hq, hkv, d, q.element_size()) if overlap and groups else None
+    c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
+    pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
+    if overlap is None:
+        overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
+    # the step's sizes, which the overlapped (or PDL) step's order and system split plan go by
+    work = overlap_work(meta, groups, hq, hkv, d, q.element_size()) if (overlap or pdl) and groups else None
     if system_side is None:  # a byte-bound system step gains nothing from going first
         system_side = work is not None and matrix_bound(*work[:2])
-    c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     s_splits = 0
     if groups:
         s_splits = plan_system_splits(groups, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
-                                      resident if work is not None and system_side else False, work)
-    overlap = overlap and bool(groups)
+                                      resident if work is not None and (system_side or pdl) else False, work)
+    overlap = overlap and bool(groups) and not pdl
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
@@ -98,10 +104,11 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
     def system_step():
-        for g, k_sys, v_sys in groups:
+        for i, (g, k_sys, v_sys) in enumerate(groups):
             assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
             system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
-                                  rows=g.query_indices, num_splits=s_splits, config=sys_config)
+                                  rows=g.query_indices, num_splits=s_splits, config=sys_config,
+                                  trigger=pdl and i == len(groups) - 1)
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
@@ -111,7 +118,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         system_step()
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True,
-                        sys_part=(o_part[:s_splits], lse_part[:s_splits]))
+                        sys_part=(o_part[:s_splits], lse_part[:s_splits]), wait_sys=pdl)
         return out[0]
     if overlap and q.is_cuda:
         main = torch.cuda.current_stream(q.device)

@@ -68,7 +68,7 @@ def _relay_grid_kernel(q_ptr, ks_ptr, vs_ptr, rows_ptr, kc_ptr, vc_ptr, o_ptr, l
                            stride_qn, stride_qh, stride_kb, stride_kt, stride_kch, stride_vb, stride_vt, stride_vch,
                            0, 0, stride_bt, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                            0, 0, 0, 0, 0, G, D, CTX_BLOCK_M, CTX_BLOCK_N, PAGE,
-                           False, False, False, 4, True, IEEE, False)
+                           False, False, False, 4, True, IEEE, False, False)
 
 
 def relay_grid_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -11,7 +11,8 @@ combines two variants' changes; `no-maxnreg` drops the 32-key tile's register ca
 `short-N` gives decode key ranges up to N that tile; `context-first` and
 `system-first-full` undo the overlapped step's plan (the system kernel first, at one
 program an SM where the context is the larger step) in part; `sys-32x3`, `sys-32x4` and
-`sys-64x2` give the decode system tile another key tile and stage count; `prefill-serial` reads a
+`sys-64x2` give the decode system tile another key tile and stage count; `pdl` runs the
+step on one stream, the context kernel a programmatic dependent of the system kernel; `prefill-serial` reads a
 prefill back before the next step launches, as the engine did before the eleventh
 session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
@@ -74,7 +75,10 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             # memory a system program leaves more to the context programs beside it
             "sys-32x3": dict(sys_tile=dict(BLOCK_N=32, num_stages=3)),
             "sys-32x4": dict(sys_tile=dict(BLOCK_N=32, num_stages=4)),
-            "sys-64x2": dict(sys_tile=dict(BLOCK_N=64, num_stages=2))}
+            "sys-64x2": dict(sys_tile=dict(BLOCK_N=64, num_stages=2)),
+            # one stream: the context kernel a programmatic dependent of the system kernel,
+            # folding its partials in (no merge kernel, no side stream)
+            "pdl": dict(relay_kwargs=dict(pdl=True))}
 
 
 def resolve(name: str) -> dict:

@@ -14,7 +14,11 @@
 # The steps-ab part (at most 9 minutes, one call) times whole llama3 jobs, relay and then
 # --no-relay, with the decode after a prefill launched before the prefill is read back
 # (the engine since the eleventh session) and after it (the engine before).
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab ...]
+# The pdl part (at most 9.5 minutes, one call) checks the PDL decode step (relay_attention_with(pdl=True):
+# one stream, the context kernel a programmatic dependent of the system kernel, no merge kernel), then
+# times it against the committed overlap: the attention alone at four llama3 shapes, at a job's
+# lengths, and in whole llama3 jobs.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +73,21 @@ for part in "${parts[@]}"; do
       cp "$OUT/ab_context.json" "$OUT/steps_ab_relay.json"
       timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,prefill-serial --no-relay \
         2>&1 | tee "$OUT/steps_ab_no_relay.log" | grep -E "^(run|median)" ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab)"; exit 2 ;;
+    pdl)  # the PDL decode step (one stream, the context kernel a dependent of the system kernel): checked, then timed
+      timeout 150 python3 -m pytest -q tests/test_triton_kernels.py -k "pdl or relay_and_baseline_large" 2>&1 \
+        | tee "$OUT/pdl_tests.log" | tail -2
+      for shape in "256 2048 300" "64 2048 300" "256 8192 128" "64 8192 128"; do
+        set -- $shape
+        for flag in "" --pdl; do
+          timeout 60 python3 scripts/device_ncu.py --what relay --model llama3-8b --batch $1 --system $2 --own $3 \
+            --time $flag 2>&1 | grep "^time"
+        done
+      done | tee "$OUT/pdl_relay.log"
+      timeout 120 python3 scripts/device_ctx_lengths.py --cases longest-first --tiles auto --splits plan --pdl \
+        --out "$OUT/pdl_ctx_lengths.log" 2>&1 | grep -v Warn | tail -4
+      timeout 200 python3 scripts/device_ab_context.py --repeats 2 --variants default,pdl 2>&1 \
+        | tee "$OUT/pdl_ab.log" | grep -E "^(run|median)" ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1

@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--splits", default="plan,2")
     ap.add_argument("--tiles", default="auto,short,long")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--pdl", action="store_true", help="also relay attention with pdl=True beside each row")
     ap.add_argument("--sys-tiles", default="", help="system tiles BLOCK_N:stages to try beside each row, e.g. 32:3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -112,6 +113,11 @@ def main() -> None:
                     say(f"  {name:17s} tile {tile:5s} BLOCK_N {cfg['BLOCK_N']:2d} ctx splits {c} ({sp:4s}): "
                         f"context kernel {ctx_us:7.1f} us ({gbytes / ctx_us * 1e3:5.2f} TB/s)  "
                         f"relay attention {relay_us:7.1f} us  max diff vs the first {err:.1e}")
+                    if args.pdl:  # one stream: the context kernel a programmatic dependent of the system kernel
+                        pdl = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, ctx_splits=forced,  # noqa: E731
+                                                           ctx_config=cfg, pdl=True)
+                        err = (pdl().float() - ref.float()).abs().max().item()
+                        say(f"    pdl: relay attention {graph_us(pdl):7.1f} us  max diff vs the first {err:.1e}")
                     for tiles in filter(None, args.sys_tiles.split(",")):
                         # the system kernel's key tile and stages: less shared memory a program
                         # leaves more room for the context programs beside it

@@ -11,7 +11,8 @@ overlap path), merge (the merge of system + context partials), relay (all three,
 graphed decode step's attention).
 
 Usage: python scripts/device_ncu.py --what sys --model llama3-8b --batch 256 --system 2048
-       [--own 300] [--splits N] [--stages 3] [--block-n 64] [--maxnreg R] [--system-side | --context-first] [--time] [--repeat 5]
+       [--own 300] [--splits N] [--stages 3] [--block-n 64] [--maxnreg R] [--system-side | --context-first]
+       [--pdl] [--time] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def make_case(args):
 
     order = dict(system_side=False, resident=False) if args.context_first else \
         dict(system_side=True) if args.system_side else {}
+    if args.pdl:
+        order["pdl"] = True
 
     def relay_step():  # --splits, --system-side/--context-first and --maxnreg reach the relay call too
         relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, sys_splits=args.splits, ctx_config=ctx_cfg,
@@ -111,6 +114,8 @@ def main() -> None:
     p.add_argument("--system-side", action="store_true", help="relay: the system kernel first (the plan's order)")
     p.add_argument("--context-first", action="store_true",
                    help="relay: the context kernel first, the system split for two programs an SM (before s13)")
+    p.add_argument("--pdl", action="store_true",
+                   help="relay: one stream, the context kernel a programmatic dependent of the system kernel")
     p.add_argument("--triton", action="store_true", help="the Triton system kernel instead of Gluon")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")
@@ -119,7 +124,7 @@ def main() -> None:
     if args.time:
         print(f"time {args.what} {args.model} B={args.batch} S={args.system} own={args.own} "
               f"splits={args.splits} stages={args.stages} block_n={args.block_n} maxnreg={args.maxnreg} "
-              f"system_side={args.system_side} context_first={args.context_first}: "
+              f"system_side={args.system_side} context_first={args.context_first} pdl={args.pdl}: "
               f"{graph_us(fn):.1f} us", flush=True)
         return
     for _ in range(args.repeat):

@@ -391,10 +391,47 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True), want_relay),
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True),
                            want_relay),
+                          (relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True), want_relay),
                           (prefix_paged_attention(q, kc, vc, meta, prefixes, scale),
                            ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale))):
         assert rel_err(got, want_ref) < TOL[dtype]
         assert rel_err(got, want) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [8, 64, 256])
+def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch):
+    """A decode step with the context kernel a programmatic dependent of the system kernel
+    (pdl=True: one stream, the merge in the context epilogue) gives the relay reference,
+    launched eagerly and replayed from a CUDA graph (the Gluon system kernel), and the same
+    graph replayed on new inputs gives their answer: the fold waits for this step's
+    system partials."""
+    rng = random.Random()
+    ctx = [rng.randint(1, 900) for _ in range(batch)]
+    q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * batch, ctx_lens=ctx, prefix_of=[0] * batch,
+                                               prefix_lens=[rng.randint(1024, 4096)], num_q_heads=32,
+                                               num_kv_heads=8, head_dim=128, dtype=dtype, device="cuda")
+    scale = 128 ** -0.5
+
+    def want():
+        qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
+        return ref.relay_attention(qf, kf, vf, meta, pf, scale)
+    assert rel_err(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True), want()) < TOL[dtype]
+    out = torch.empty_like(q)
+    relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True))
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        for k, v in prefixes:  # the system step's inputs change too
+            k.copy_(torch.randn_like(k))
+            v.copy_(torch.randn_like(v))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, want()) < TOL[dtype]
 
 
 @gpu

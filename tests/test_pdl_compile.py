@@ -1,0 +1,25 @@
+"""The PDL variant of a relay decode step (triton_ops.relay_attention_with(pdl=True)) on any
+machine: its kernels, compiled for sm_90, carry the grid-dependency instructions exactly
+where their flags ask. Timing and results on the GPU: tests/test_triton_kernels.py."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pdl_flags_reach_the_compiled_kernels():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers_aot.py")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"paged": [], "paged_wait_sys": ["griddepcontrol.wait"],
+                   "system": [], "system_trigger": ["griddepcontrol.launch_dependents"]}, got
