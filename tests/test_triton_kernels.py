@@ -420,10 +420,10 @@ def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch):
         return ref.relay_attention(qf, kf, vf, meta, pf, scale)
     assert rel_err(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True), want()) < TOL[dtype]
     out = torch.empty_like(q)
-    relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True))
+    for _ in range(2):  # the first capture compiles what runs only under capture (the Gluon kernel)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True))
     for _ in range(2):
         q.copy_(torch.randn_like(q))
         for k, v in prefixes:  # the system step's inputs change too
