@@ -54,10 +54,10 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     first, as the engine did for every step before the thirteenth session). resident:
     with system_side, plan the system split count so that its programs take at most one
     slot an SM and context programs run beside them (plan_system_splits: None where that
-    fits under the context step, True always, False never). H200, graphed (docs/kernels.md): the system kernel first was 2-6% faster
-    than the context first at three llama3-8b shapes and 6% slower for llama2-7b at batch
-    64 (a byte-bound system step), and one program an SM 5-14% faster again where the
-    context step is the larger.
+    fits under the context step, True always, False never). H200, graphed
+    (docs/kernels.md): the system kernel first was 2-6% faster than the context first at
+    three llama3-8b shapes and 6% slower for llama2-7b at batch 64 (a byte-bound system
+    step), and one program an SM 5-14% faster again where the context step is the larger.
     one_grid: a decode step with one prefix group and an unsplit context runs both roles
     in one launch (kernels/triton_relay_grid.py, grid_config its tiles), then the merge
     kernel; other steps take the paths above, which compute the same function. On the

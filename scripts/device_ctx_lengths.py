@@ -35,7 +35,7 @@ from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_plan import system_config  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
-from relaycli.engine.cuda_graph import CONTEXT_BUCKET_GROWTH, MIN_CONTEXT_BUCKET  # noqa: E402
+from relaycli.engine.cuda_graph import context_bucket  # noqa: E402
 from scripts.device_ncu import HEADS, graph_us  # noqa: E402
 
 
@@ -44,13 +44,6 @@ def job_lengths(batch: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     shapes = make_requests(get_workload("sharegpt"), batch, seed)
     return [s.input_len + rng.randint(1, s.output_len) for s in shapes]
-
-
-def bucket(longest: int) -> int:
-    ctx = MIN_CONTEXT_BUCKET
-    while ctx < longest:
-        ctx *= CONTEXT_BUCKET_GROWTH
-    return ctx
 
 
 def main() -> None:
@@ -78,11 +71,10 @@ def main() -> None:
         lens = job_lengths(args.batch, seed)
         mean = round(statistics.mean(lens))
         say(f"seed {seed}: {args.model} B={args.batch} S={args.system}, own keys mean {mean}, "
-            f"median {statistics.median(lens):.0f}, max {max(lens)}, bucket {bucket(max(lens))}")
-        longest = sorted(lens, reverse=True)
-        cases = {"uniform": ([mean] * args.batch, bucket(mean)), "uniform@bucket": ([mean] * args.batch, bucket(max(lens))),
-                 "random": (lens, bucket(max(lens))), "longest-first": (longest, bucket(max(lens))),
-                 "longest-first@max": (longest, max(lens))}
+            f"median {statistics.median(lens):.0f}, max {max(lens)}, bucket {context_bucket(max(lens))}")
+        longest, top = sorted(lens, reverse=True), context_bucket(max(lens))
+        cases = {"uniform": ([mean] * args.batch, context_bucket(mean)), "uniform@bucket": ([mean] * args.batch, top),
+                 "random": (lens, top), "longest-first": (longest, top), "longest-first@max": (longest, max(lens))}
         for name, (rows, max_len) in cases.items():
             if args.cases and name not in args.cases.split(","):
                 continue

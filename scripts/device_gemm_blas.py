@@ -15,7 +15,6 @@ orders may differ).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -45,7 +44,6 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     weights = {n: torch.randn(o, i, device=dev, dtype=torch.bfloat16) * 0.02 for n, o, i in SHAPES}
-    rate = None
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     rate = 2 * 8192 ** 3 / (graph_us(lambda: a @ a) * 1e-6)
     say(f"matmul ceiling (8192^3, default library): {rate / 1e12:.0f} TFLOP/s")
@@ -58,7 +56,6 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         if mode == "tunable":
             torch.backends.cuda.preferred_blas_library("cublas")
-            os.environ.setdefault("PYTORCH_TUNABLEOP_VERBOSE", "0")
             torch.cuda.tunable.enable(True)
             torch.cuda.tunable.tuning_enable(True)
             torch.cuda.tunable.set_filename(str(Path(args.out).with_suffix(".tunable.csv")) if args.out

@@ -81,10 +81,7 @@ class DecodeGraphs:
 
     def _bucket(self, num_seqs: int, longest: int, slot: int | None) -> tuple[int, int, int | None]:
         bs = next(b for b in BATCH_BUCKETS if b >= num_seqs)
-        ctx = MIN_CONTEXT_BUCKET
-        while ctx < longest:
-            ctx *= CONTEXT_BUCKET_GROWTH
-        return bs, min(ctx, self.max_context), slot
+        return bs, min(context_bucket(longest), self.max_context), slot
 
     def all_keys(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> list[tuple]:
         """Every key a step of at most max_num_seqs sequences, none longer than
@@ -188,6 +185,15 @@ class DecodeGraphs:
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - started
         return graph
+
+
+def context_bucket(longest: int) -> int:
+    """The context bucket of a step whose longest own context is `longest` tokens (before
+    the model's limit): MIN_CONTEXT_BUCKET, grown CONTEXT_BUCKET_GROWTH-fold until it holds it."""
+    ctx = MIN_CONTEXT_BUCKET
+    while ctx < longest:
+        ctx *= CONTEXT_BUCKET_GROWTH
+    return ctx
 
 
 def pack_block_tables(tables: list[list[int]], width: int, fill: int, out: np.ndarray) -> np.ndarray:
