@@ -67,12 +67,7 @@ class PagedAttention:
 
     k_caches[layer], v_caches[layer]: [num_blocks, block_size, Hkv, D].
     prefixes[slot] = (keys per layer, values per layer), each [S, Hkv, D].
-    fuse_decode_rope: with the Triton impl, a decode step's RoPE and KV write run inside
-    its attention kernels (triton_rope.DecodeRope: one launch fewer a layer, the same
-    bits); False keeps them in a launch of their own (A/B runs).
     """
-
-    fuse_decode_rope = True
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  prefixes: list[tuple[list[torch.Tensor], list[torch.Tensor]]], mode: str, impl: str,
@@ -112,16 +107,11 @@ class PagedAttention:
         if self.side_stream is not None:
             fn = functools.partial(fn, side_stream=self.side_stream)
         fuse = self.impl == "triton"
-        in_kernels = fuse and self.fuse_decode_rope and meta.is_decode and bool(self.k_caches) and \
-            ops.decode_rope_ok(self.k_caches[0])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:
             k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
             if rope is None:
                 ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            elif in_kernels and isinstance(rope[2], TritonLayerOps):
-                return fn(q, k_cache, v_cache, meta, self.prefix_layers[layer], scale,
-                          rope=ops.DecodeRope(rope[0], rope[1], k, v))
             elif fuse and isinstance(rope[2], TritonLayerOps):
                 q = rope[2].rope_into_cache(q, k, v, rope[0], rope[1], k_cache, v_cache, meta.slot_mapping)
             else:

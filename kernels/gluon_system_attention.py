@@ -45,12 +45,12 @@ def _load_kv(desc, smem, bars, tile, lo, col, STAGES: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit(do_not_specialize=["n_queries", "keys_per_split"])
-def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
+def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
                          n_queries, seq_len, keys_per_split, qk_scale,
-                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_c,
+                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                          G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr,
-                         ROPE: gl.constexpr, num_warps: gl.constexpr):
+                         num_warps: gl.constexpr):
     if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
         gdc_launch_dependents()
     pid_m = gl.program_id(0)
@@ -79,19 +79,8 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr, cos_pt
         row = n
     head = h * G + r % G
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    q_rows = gl.expand_dims(row * stride_qn + head * stride_qh, 1)
-    qmask = gl.expand_dims(rmask, 1)
-    q = gl.load(q_ptr + q_rows + gl.expand_dims(offs_d, 0), mask=qmask, other=0.0)
-    if ROPE:  # q arrives unrotated: rotate it as triton_rope.rope_rows does, to the bit
-        partner = (offs_d + D // 2) % D
-        sign = gl.expand_dims(gl.where(offs_d < D // 2, -1.0, 1.0), 0)
-        cs = gl.expand_dims(row * stride_c, 1) + gl.expand_dims(offs_d, 0)
-        xp = gl.load(q_ptr + q_rows + gl.expand_dims(partner, 0), mask=qmask, other=0.0).to(gl.float32)
-        c = gl.load(cos_ptr + cs, mask=qmask, other=0.0).to(gl.float32)
-        sn = gl.load(sin_ptr + cs, mask=qmask, other=0.0).to(gl.float32)
-        a = (q.to(gl.float32) * c).to(q.dtype).to(gl.float32)
-        b = (xp * sign * sn).to(q.dtype).to(gl.float32)
-        q = (a + b).to(q.dtype)
+    q = gl.load(q_ptr + gl.expand_dims(row * stride_qn + head * stride_qh, 1) + gl.expand_dims(offs_d, 0),
+                mask=gl.expand_dims(rmask, 1), other=0.0)
     q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -186,10 +175,8 @@ def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
 def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                                 o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
                                 num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3,
-                                trigger: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                                trigger: bool = False) -> None:
     """q [N, Hq, D]; k_sys/v_sys [S, Hkv, D] contiguous; o_part [splits, N, Hq, D]; lse_part [splits, N, Hq].
-
-    rope: (cos, sin) [N, D]: q is unrotated and rotated as it loads (checked by the caller).
 
     The caller (system_attention_into) has checked shapes; this checks what only the Gluon
     kernel needs.
@@ -207,11 +194,10 @@ def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: tor
                       for t in (k_sys, v_sys))
     per = triton.cdiv(triton.cdiv(max(seq_len, 1), num_splits), block_n) * block_n
     grid = (triton.cdiv(n_q * group, block_m), hkv, num_splits)
-    cos, sin = rope if rope is not None else (q, q)
     _gluon_system_kernel[grid](
-        q, k_desc, v_desc, rows if rows is not None else q, o_part, lse_part, cos, sin,
+        q, k_desc, v_desc, rows if rows is not None else q, o_part, lse_part,
         n_q, seq_len, per, scale * LOG2E,
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), cos.stride(0) if rope is not None else 0,
+        lse_part.stride(0), lse_part.stride(1),
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, HAS_ROWS=rows is not None,
-        TRIGGER=trigger, ROPE=rope is not None, num_warps=block_m // 16)
+        TRIGGER=trigger, num_warps=block_m // 16)

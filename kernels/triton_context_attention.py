@@ -26,7 +26,6 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels.metadata import AttentionMetadata
 from kernels.triton_plan import fit_smem, num_sms, split_plan
-from kernels.triton_rope import DecodeRope, check_decode_rope, rope_rows
 from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
 
@@ -75,44 +74,23 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
 
 
 @triton.jit
-def _store_new_kv(kc, vc, kn, vn, cos_ptr, sin_ptr, slot_ptr, row,
-                  stride_kb, stride_kt, stride_vb, stride_vt, stride_c, stride_kn, stride_vn,
-                  D: tl.constexpr, PAGE: tl.constexpr):
-    """Query row `row`'s k (rotated) and v on one KV head into their flat cache slot; pointers at the head."""
-    one = tl.arange(0, 1)  # a [1, D] tile: rope_rows works on rows
-    k = rope_rows(kn + row * stride_kn + one, cos_ptr + row * stride_c + one, sin_ptr + row * stride_c + one,
-                  one == 0, D)
-    slot = tl.load(slot_ptr + row)
-    blk = slot // PAGE
-    tok = slot % PAGE
-    offs_d = tl.arange(0, D)
-    tl.store(kc + blk * stride_kb + tok * stride_kt + one[:, None] + offs_d[None, :], k)
-    v = tl.load(vn + row * stride_vn + offs_d)
-    tl.store(vc + blk * stride_vb + tok * stride_vt + offs_d, v)
-
-
-@triton.jit
 def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
-                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr, cos_ptr, sin_ptr, kn_ptr, vn_ptr, slot_ptr,
+                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
                    group_id, prefix_len, num_splits, split_base, sys_splits,
                    qk_scale,
                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_ps, stride_ph, stride_bt,
                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                    stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
-                   stride_c, stride_kn, stride_knh, stride_vn, stride_vnh,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
                    HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   IEEE: tl.constexpr, BT_AHEAD: tl.constexpr, WAIT_SYS: tl.constexpr, ROPE: tl.constexpr):
+                   IEEE: tl.constexpr, BT_AHEAD: tl.constexpr, WAIT_SYS: tl.constexpr):
     """Row tile pid_m of sequence seq on KV head h, key chunk `split` (the kernel below, or a relay grid).
 
     WAIT_SYS: launched as a programmatic dependent of the system kernel, which wrote the
     partials folded in below: the own keys are read while it still runs, and only the
-    fold waits for it (griddepcontrol.wait).
-    ROPE (decode only): q is unrotated and rotated here (cos/sin [N, D] rows); the program
-    whose chunk holds the sequence's new key rotates it (kn [N, Hkv, D]) and stores it and
-    vn at the token's flat cache slot before reading its keys (triton_rope.DecodeRope)."""
+    fold waits for it (griddepcontrol.wait)."""
     if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
         if tl.load(grp_ptr + seq) != group_id:
             return
@@ -127,12 +105,8 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     rmask = i < q_len
     row = q_start + i
     offs_d = tl.arange(0, D)
-    if ROPE:
-        q = rope_rows(q_ptr + row * stride_qn + head * stride_qh, cos_ptr + row * stride_c, sin_ptr + row * stride_c,
-                      rmask, D)
-    else:
-        q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=rmask[:, None], other=0.0)
+    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
     first = ctx_len - q_len
     qpos = first + i
     # own keys every row of the tile sees, and keys at least one row sees
@@ -145,12 +119,6 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     per = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per
     hi = tl.minimum(lo + per, total)
-    if ROPE:  # the new key is the last of the range: its chunk stores it before any program reads
-        if (pid_m == 0) & (ctx_len > 0) & (lo < total) & (hi == total):
-            _store_new_kv(kc_ptr + h * stride_kh, vc_ptr + h * stride_vh, kn_ptr + h * stride_knh,
-                          vn_ptr + h * stride_vnh, cos_ptr, sin_ptr, slot_ptr, q_start,
-                          stride_kb, stride_kt, stride_vb, stride_vt, stride_c, stride_kn, stride_vn, D, PAGE)
-        tl.debug_barrier()  # every thread's stores of that key land before any thread loads it
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -191,18 +159,17 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
 # another variant for a value of 1 or a multiple of 16, inside a running job.
 @triton.jit(do_not_specialize=["group_id", "prefix_len", "num_splits", "split_base", "sys_splits"])
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
-                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr, cos_ptr, sin_ptr, kn_ptr, vn_ptr, slot_ptr,
+                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
                   group_id, prefix_len, num_splits, split_base, num_kv_heads, sys_splits,
                   qk_scale,
                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_ps, stride_ph, stride_bt,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
-                  stride_c, stride_kn, stride_knh, stride_vn, stride_vnh,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
                   HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  IEEE: tl.constexpr, BT_AHEAD: tl.constexpr, WAIT_SYS: tl.constexpr, ROPE: tl.constexpr):
+                  IEEE: tl.constexpr, BT_AHEAD: tl.constexpr, WAIT_SYS: tl.constexpr):
     if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
         pid_hs = tl.program_id(0)
         pid_m = tl.program_id(2)
@@ -214,14 +181,11 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     split = pid_hs // num_kv_heads
     _paged_program(pid_m, seq, h, split,
                    q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr, cu_ptr, ctx_ptr,
-                   bt_ptr, grp_ptr, cos_ptr, sin_ptr, kn_ptr, vn_ptr, slot_ptr,
-                   group_id, prefix_len, num_splits, split_base, sys_splits,
+                   bt_ptr, grp_ptr, group_id, prefix_len, num_splits, split_base, sys_splits,
                    qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                    stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
-                   stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
-                   stride_c, stride_kn, stride_knh, stride_vn, stride_vnh, G, D, BLOCK_M,
-                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD, WAIT_SYS,
-                   ROPE)
+                   stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
+                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD, WAIT_SYS)
     if WAIT_SYS:  # every program waits, those that returned early too: the system kernel is
         gdc_wait()  # then done when this one is, for whatever the stream runs next
 
@@ -302,8 +266,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                     seq_group: torch.Tensor | None = None, group_id: int = 0,
                     sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    config: dict | None = None, read_ahead: bool = False, wait_sys: bool = False,
-                    rope: DecodeRope | None = None) -> None:
+                    config: dict | None = None, read_ahead: bool = False, wait_sys: bool = False) -> None:
     """Launch the paged kernel. Results go to out[split_base + s] (out is [splits, N, Hq, D]).
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
@@ -316,12 +279,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     was timed; pass the same to context_splits). wait_sys: with sys_part, on CUDA, launch as
     a programmatic dependent (PDL) of the kernel just before on the stream, which wrote
     sys_part and let its dependents launch (system_attention_into's trigger): the own keys
-    are read while it runs, the fold waits for it. rope: q is unrotated; the kernel applies
-    this decode step's RoPE and stores its k/v in the cache (triton_rope.DecodeRope).
+    are read while it runs, the fold waits for it.
     """
     check_paged(q, k_cache, v_cache, meta)
-    if rope is not None:
-        cos, sin = check_decode_rope(rope, q, k_cache, v_cache, meta.slot_mapping, meta.is_decode)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // hkv
     assert out.dim() == 4 and out.shape[1:] == q.shape and out.stride(-1) == 1, "out must be [splits, N, Hq, D]"
@@ -356,11 +316,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kp, vp = prefix if prefix is not None else (k_cache, v_cache)
     so, sl = sys_part if sys_part is not None else (out, out)
     lse_t = lse if lse is not None else out
-    cos, sin, kn, vn = (cos, sin, rope.k, rope.v) if rope is not None else (q, q, q, q)
     _paged_kernel[grid](
         q, k_cache, v_cache, kp, vp, out, lse_t, so, sl,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-        seq_group if seq_group is not None else meta.context_lens, cos, sin, kn, vn, meta.slot_mapping,
+        seq_group if seq_group is not None else meta.context_lens,
         group_id, kp.shape[0] if prefix is not None else 0, num_splits, split_base,
         hkv, so.shape[0] if sys_part is not None else 0, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -371,10 +330,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lse_t.stride(0) if lse is not None else 0, lse_t.stride(1) if lse is not None else 0,
         so.stride(0), so.stride(1), so.stride(2),
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
-        cos.stride(0), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
         HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
-        IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, WAIT_SYS=wait_sys, ROPE=rope is not None, **cfg,
+        IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, WAIT_SYS=wait_sys, **cfg,
         **(dict(launch_pdl=True) if wait_sys else {}))
 
 

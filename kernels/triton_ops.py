@@ -19,22 +19,19 @@ from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
 from kernels.triton_plan import matrix_bound, resident_splits, split_plan, system_config
 from kernels.triton_relay_grid import relay_grid_into
-from kernels.triton_rope import DecodeRope, check_decode_rope, decode_rope_ok, rope_into_cache
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
-__all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv", "DecodeRope",
-           "decode_rope_ok"]
+__all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv"]
 
 
 def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                    side_stream: torch.cuda.Stream | None = None, rope: DecodeRope | None = None) -> torch.Tensor:
+                    side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """RelayAttention; same contract as kernels.reference.relay_attention. Returns o [N, Hq, D].
 
     side_stream: the stream the overlapped context step runs on (the engine passes the one
-    its attention backend owns); None takes one from torch's stream pool. rope: q is
-    unrotated and this decode step's k/v are not yet in the cache (relay_attention_with)."""
-    return relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, side_stream=side_stream, rope=rope)
+    its attention backend owns); None takes one from torch's stream pool."""
+    return relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, side_stream=side_stream)
 
 
 def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -44,8 +41,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          overlap: bool | None = None, system_side: bool | None = None,
                          resident: bool | None = None,
                          one_grid: bool = False, grid_config: dict | None = None,
-                         side_stream: torch.cuda.Stream | None = None, pdl: bool = False,
-                         rope: DecodeRope | None = None) -> torch.Tensor:
+                         side_stream: torch.cuda.Stream | None = None, pdl: bool = False) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -72,21 +68,13 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     context kernel launched as a programmatic dependent of the system kernel (planned as
     the overlap plans it): its programs read the own keys while the system kernel runs and
     wait for it only to fold its partials in, so there is no merge kernel, no side stream
-    and no context partial. Other steps take the paths above. H200, fifteenth session: no
-    faster than the overlap in whole jobs, and 0-8% slower alone (docs/kernels.md).
-    rope: a decode step's q arrives unrotated and its k/v are not yet in the cache; the
-    system kernel rotates the q rows it loads and the context kernel does the same and
-    stores the rotated k and v first (triton_rope.DecodeRope): one launch fewer a layer,
-    the same bits. The one-grid path applies it in a launch of its own first.
+    and no context partial. Other steps take the paths above. Not yet timed on a GPU.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
-    sys_rope = None
-    if rope is not None:
-        sys_rope = check_decode_rope(rope, q, k_cache, v_cache, meta.slot_mapping, meta.is_decode)
     pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
@@ -101,12 +89,9 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     overlap = overlap and bool(groups) and not pdl
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
-        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True, rope=rope)
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
         return out[0]
     one_grid = one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1
-    if rope is not None and one_grid:  # the grid's roles take rotated q and a written cache
-        q = rope_into_cache(q, rope.k, rope.v, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
-        rope = sys_rope = None
     extra = c_splits if c_splits > 1 or overlap or one_grid else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
@@ -123,17 +108,17 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
             system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
                                   rows=g.query_indices, num_splits=s_splits, config=sys_config,
-                                  trigger=pdl and i == len(groups) - 1, rope=sys_rope)
+                                  trigger=pdl and i == len(groups) - 1)
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
-                        num_splits=c_splits, config=ctx_config, read_ahead=True, rope=rope)
+                        num_splits=c_splits, config=ctx_config, read_ahead=True)
 
     if not extra:  # the fused path: the context epilogue merges the system partials, o written once
         system_step()
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True,
-                        sys_part=(o_part[:s_splits], lse_part[:s_splits]), wait_sys=pdl, rope=rope)
+                        sys_part=(o_part[:s_splits], lse_part[:s_splits]), wait_sys=pdl)
         return out[0]
     if overlap and q.is_cuda:
         main = torch.cuda.current_stream(q.device)
@@ -197,11 +182,9 @@ def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda
 
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                           rope: DecodeRope | None = None) -> torch.Tensor:
-    """The --no-relay baseline; same contract as kernels.reference.prefix_paged_attention
-    (rope: as relay_attention's, so both modes launch the same kernels a layer)."""
-    return _baseline(q, k_cache, v_cache, meta, prefixes, scale, rope=rope)
+                           prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """The --no-relay baseline; same contract as kernels.reference.prefix_paged_attention."""
+    return _baseline(q, k_cache, v_cache, meta, prefixes, scale)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

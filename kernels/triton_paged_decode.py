@@ -13,7 +13,6 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
-from kernels.triton_rope import DecodeRope
 from kernels.triton_system_attention import merge_partials
 
 
@@ -49,14 +48,11 @@ def sequence_groups(meta: AttentionMetadata, groups) -> tuple[torch.Tensor | Non
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                           num_splits: int | None = None, config: dict | None = None,
-                           rope: DecodeRope | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Same contract as kernels.reference.prefix_paged_attention.
 
     q [N, Hq, D]; caches [num_blocks, block_size, Hkv, D]; prefixes[slot] = (k, v) [S, Hkv, D].
     Returns o [N, Hq, D] in q's dtype. num_splits forces the split-K factor (tests, tuning).
-    rope: q is unrotated and this decode step's k/v not yet stored; each sequence's launch
-    rotates and stores them (triton_rope.DecodeRope).
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv = k_cache.shape[2]
@@ -69,7 +65,7 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty((splits,) + tuple(q.shape), dtype=torch.float32, device=q.device)
         lse = torch.empty((splits,) + tuple(q.shape[:2]), dtype=torch.float32, device=q.device)
     seq_group, rest = sequence_groups(meta, groups)
-    common = dict(out=out, lse=lse, num_splits=splits, seq_group=seq_group, config=config, rope=rope)
+    common = dict(out=out, lse=lse, num_splits=splits, seq_group=seq_group, config=config)
     for gid, (_, k_sys, v_sys) in enumerate(groups):
         paged_attention(q, k_cache, v_cache, meta, scale, prefix=(k_sys, v_sys), group_id=gid, **common)
     if rest:

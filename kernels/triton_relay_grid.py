@@ -53,8 +53,8 @@ def _relay_grid_kernel(q_ptr, ks_ptr, vs_ptr, rows_ptr, kc_ptr, vc_ptr, o_ptr, l
         _system_program(idx % sys_m_tiles, (idx // sys_m_tiles) % num_kv_heads, idx // (sys_m_tiles * num_kv_heads),
                         q_ptr, ks_ptr, vs_ptr, rows_ptr, o_ptr, lse_ptr, n_queries_sys, seq_len, keys_per_split,
                         qk_scale, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                        stride_os, stride_on, stride_oh, stride_ls, stride_ln, q_ptr, q_ptr, 0,
-                        G, D, SYS_BLOCK_M, SYS_BLOCK_N, HAS_ROWS, IEEE, TMA, False)
+                        stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                        G, D, SYS_BLOCK_M, SYS_BLOCK_N, HAS_ROWS, IEEE, TMA)
     else:
         # context program c: the system programs at or before this pid come off. It takes
         # CTX_HEADS neighbouring KV heads of one sequence in turn (the same pages), so that
@@ -64,12 +64,11 @@ def _relay_grid_kernel(q_ptr, ks_ptr, vs_ptr, rows_ptr, kc_ptr, vc_ptr, o_ptr, l
         for hh in tl.static_range(CTX_HEADS):
             _paged_program(0, c // per_seq, (c % per_seq) * CTX_HEADS + hh, 0,
                            q_ptr, kc_ptr, vc_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, o_ptr, lse_ptr,
-                           cu_ptr, ctx_ptr, bt_ptr, ctx_ptr, q_ptr, q_ptr, q_ptr, q_ptr, ctx_ptr,
-                           0, 0, 1, sys_splits, 0, qk_scale,
+                           cu_ptr, ctx_ptr, bt_ptr, ctx_ptr, 0, 0, 1, sys_splits, 0, qk_scale,
                            stride_qn, stride_qh, stride_kb, stride_kt, stride_kch, stride_vb, stride_vt, stride_vch,
                            0, 0, stride_bt, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, G, D, CTX_BLOCK_M, CTX_BLOCK_N, PAGE,
-                           False, False, False, 4, True, IEEE, False, False, False)
+                           0, 0, 0, 0, 0, G, D, CTX_BLOCK_M, CTX_BLOCK_N, PAGE,
+                           False, False, False, 4, True, IEEE, False, False)
 
 
 def relay_grid_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -9,74 +9,11 @@ unit in the last place off the eager model (tests/test_triton_layer_ops.py allow
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.reference import check_kv_write
-
-
-class DecodeRope(NamedTuple):
-    """A decode step's RoPE and KV write, left to its attention kernels (one launch fewer a layer).
-
-    q arrives unrotated beside this; every attention kernel rotates the q rows it loads
-    (rope_rows, the rounding of _rope_heads), and the paged kernel's program that holds a
-    sequence's new key rotates k and stores it and v at meta.slot_mapping first. The same
-    cache contents and the same rotated q, to the bit, as rope_into_cache before attention.
-    """
-
-    cos: torch.Tensor  # [N, D] or [N, 1, D], q's dtype
-    sin: torch.Tensor
-    k: torch.Tensor  # [N, Hkv, D] unrotated, unit last stride (a view of the qkv product)
-    v: torch.Tensor  # [N, Hkv, D]
-
-
-def decode_rope_ok(k_cache: torch.Tensor) -> bool:
-    """Whether the attention kernels can take a DecodeRope for this cache (q has its dtype).
-
-    16-bit only: the fused kernels are compiled with floating-point contraction, which the
-    products' rounding to the run dtype keeps from fusing in fp16/bf16 but not in fp32. On
-    CUDA a head's row of the cache must fill whole 128-byte lines: a program then never
-    caches a line that another program writes in the same launch.
-    """
-    row_bytes = k_cache.shape[-1] * k_cache.element_size()
-    return k_cache.dtype in (torch.float16, torch.bfloat16) and (not k_cache.is_cuda or row_bytes % 128 == 0)
-
-
-def check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, is_decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asserts what the fused kernels need; returns cos, sin as [N, D]."""
-    assert is_decode, "a DecodeRope needs a decode step (one query a sequence)"
-    assert decode_rope_ok(k_cache), "a DecodeRope needs a 16-bit cache and, on CUDA, rows of whole 128-byte lines"
-    cos, sin = _check(q, rope.k, rope.cos, rope.sin)
-    check_kv_write(k_cache, v_cache, rope.k, rope.v, slot_mapping)
-    assert rope.v.stride(-1) == 1, "v needs a unit last stride"
-    return cos, sin
-
-
-@triton.jit
-def rope_rows(x_rows, cos_rows, sin_rows, mask, D: tl.constexpr):
-    """Rows [R, D] loaded and rotated as _rope_heads rounds them (inside attention kernels).
-
-    x_rows, cos_rows, sin_rows: [R] pointers to each row's first element; mask [R]. Out
-    element d is round(round(x[d] cos[d]) + round(sign(d) x[d +- D/2] sin[d])), the sign -1
-    in the first half: rotate_half. Rounding each product to the run dtype also keeps the
-    compiler from contracting them into fused multiply-adds (16-bit inputs only).
-    """
-    offs = tl.arange(0, D)
-    partner = (offs + D // 2) % D
-    sign = tl.where(offs < D // 2, -1.0, 1.0)
-    m = mask[:, None]
-    x = tl.load(x_rows[:, None] + offs[None, :], mask=m, other=0.0)
-    xp = tl.load(x_rows[:, None] + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    c = tl.load(cos_rows[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    s = tl.load(sin_rows[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    dt = x.dtype
-    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
-    b = (xp * sign[None, :] * s).to(dt).to(tl.float32)
-    return (a + b).to(dt)
 
 
 @triton.jit

@@ -20,7 +20,6 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton_plan import merge_unroll, split_plan, system_config, tma_ok
-from kernels.triton_rope import rope_rows
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -134,12 +133,10 @@ def _merge_splits(o, lse, po_ptr, pl_ptr, o_off, lse_off, stride_o_split, stride
 def _system_program(pid_m, h, split, q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                     n_queries, seq_len, keys_per_split, qk_scale,
                     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                    stride_os, stride_on, stride_oh, stride_ls, stride_ln, cos_ptr, sin_ptr, stride_c,
+                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, ROPE: tl.constexpr):
-    """Row tile pid_m of KV head h against chunk `split` of the prefix (the kernel below, or a relay grid).
-
-    ROPE: q is unrotated, and its rows are rotated as they load (cos/sin [N, D] rows)."""
+                    HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    """Row tile pid_m of KV head h against chunk `split` of the prefix (the kernel below, or a relay grid)."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = r // G
     head = h * G + r % G
@@ -149,12 +146,8 @@ def _system_program(pid_m, h, split, q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_p
     else:
         row = n
     offs_d = tl.arange(0, D)
-    if ROPE:
-        q = rope_rows(q_ptr + row * stride_qn + head * stride_qh, cos_ptr + row * stride_c, sin_ptr + row * stride_c,
-                      rmask, D)
-    else:
-        q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=rmask[:, None], other=0.0)
+    q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, seq_len)
     mid = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -182,17 +175,16 @@ def _system_program(pid_m, h, split, q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_p
 def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                    n_queries, seq_len, keys_per_split, qk_scale,
                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                   stride_os, stride_on, stride_oh, stride_ls, stride_ln, cos_ptr, sin_ptr, stride_c,
+                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, TRIGGER: tl.constexpr,
-                   ROPE: tl.constexpr):
+                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, TRIGGER: tl.constexpr):
     if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
         gdc_launch_dependents()
     _system_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, rows_ptr,
                     o_ptr, lse_ptr, n_queries, seq_len, keys_per_split, qk_scale,
                     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                    stride_os, stride_on, stride_oh, stride_ls, stride_ln, cos_ptr, sin_ptr, stride_c,
-                    G, D, BLOCK_M, BLOCK_N, HAS_ROWS, IEEE, TMA, ROPE)
+                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                    G, D, BLOCK_M, BLOCK_N, HAS_ROWS, IEEE, TMA)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -245,7 +237,7 @@ def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> b
 def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                           o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None = None,
                           num_splits: int | None = None, config: dict | None = None,
-                          trigger: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                          trigger: bool = False) -> None:
     """Write per-split results of q[rows] against the prefix into o_part[s, rows], lse_part[s, rows].
 
     q [N, Hq, D]; k_sys/v_sys [S, Hkv, D]; rows [n] int64 or None (all N rows);
@@ -253,16 +245,8 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     num_splits must equal o_part.shape[0]; a chunk with no keys gets (0, -inf).
     trigger: every program lets a programmatic dependent launch as it starts
     (griddepcontrol.launch_dependents; paged_attention's wait_sys); a no-op without one.
-    rope: (cos, sin) [N, D] in q's dtype, 16-bit: q is unrotated and its rows are rotated as
-    they load (triton_rope.DecodeRope).
     """
     check_prefix(q, k_sys, v_sys)
-    if rope is not None:
-        cos, sin = rope
-        assert q.dtype in (torch.float16, torch.bfloat16), "rotating q as it loads needs 16-bit q"
-        assert cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.dtype == sin.dtype == q.dtype, \
-            "cos/sin must be [N, D] in q's dtype"
-        assert cos.stride(-1) == 1 and cos.stride() == sin.stride(), "cos/sin need a unit last stride"
     n_q = q.shape[0] if rows is None else rows.shape[0]
     hkv = k_sys.shape[1]
     group = q.shape[1] // hkv
@@ -282,7 +266,7 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     if gluon and gluon_usable(q, k_sys, v_sys):
         from kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
-                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], trigger, rope)
+                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], trigger)
         return
     seq_len = k_sys.shape[0]
     tma = cfg.pop("tma", False)
@@ -300,9 +284,8 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         n_q, seq_len, per, scale * LOG2E,
         q.stride(0), q.stride(1), k_sys.stride(0), k_sys.stride(1), v_sys.stride(0), v_sys.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        *(rope if rope is not None else (q, q)), rope[0].stride(0) if rope is not None else 0,
         G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma,
-        TRIGGER=trigger, ROPE=rope is not None, **cfg)
+        TRIGGER=trigger, **cfg)
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,

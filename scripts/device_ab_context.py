@@ -12,10 +12,9 @@ combines two variants' changes; `no-maxnreg` drops the 32-key tile's register ca
 `system-first-full` undo the overlapped step's plan (the system kernel first, at one
 program an SM where the context is the larger step) in part; `sys-32x3`, `sys-32x4` and
 `sys-64x2` give the decode system tile another key tile and stage count; `pdl` runs the
-step on one stream, the context kernel a programmatic dependent of the system kernel;
-`rope-apart` gives a decode step's RoPE and KV write a launch of their own again, as
-before the fifteenth session; `prefill-serial` reads a prefill back before the next step
-launches, as the engine did before the eleventh session (--no-relay times the baseline).
+step on one stream, the context kernel a programmatic dependent of the system kernel; `prefill-serial` reads a
+prefill back before the next step launches, as the engine did before the eleventh
+session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
 Prints each run, then per variant the median of requests/s, of the share of the floor
@@ -40,8 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import backend, triton_ops, triton_plan  # noqa: E402
 from kernels import triton_context_attention as tca  # noqa: E402
+from kernels import triton_ops, triton_plan  # noqa: E402
 from kernels import triton_system_attention as tsa  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from relaycli.bench.e2e import run_engine  # noqa: E402
@@ -79,10 +78,7 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "sys-64x2": dict(sys_tile=dict(BLOCK_N=64, num_stages=2)),
             # one stream: the context kernel a programmatic dependent of the system kernel,
             # folding its partials in (no merge kernel, no side stream)
-            "pdl": dict(relay_kwargs=dict(pdl=True)),
-            # a decode step's RoPE and KV write in a launch of their own, as before the
-            # fifteenth session (kernels.backend.PagedAttention.fuse_decode_rope)
-            "rope-apart": dict(rope_apart=True)}
+            "pdl": dict(relay_kwargs=dict(pdl=True))}
 
 
 def resolve(name: str) -> dict:
@@ -107,7 +103,6 @@ def variant(change: dict):
     short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
     relay_kwargs = change.pop("relay_kwargs", None)
     sys_tile = change.pop("sys_tile", None)
-    rope_apart = change.pop("rope_apart", False)
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
         triton_ops.relay_attention_with
     sys_config = triton_plan.system_config
@@ -130,8 +125,6 @@ def variant(change: dict):
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
     if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
         triton_ops.relay_attention_with = functools.partial(relay, **relay_kwargs)
-    if rope_apart:
-        backend.PagedAttention.fuse_decode_rope = False
     if prefill_serial:
         def serial_step(engine):
             finished = []
@@ -147,7 +140,6 @@ def variant(change: dict):
         tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
         triton_ops.relay_attention_with = relay
         triton_ops.system_config = tsa.system_config = sys_config
-        backend.PagedAttention.fuse_decode_rope = True
 
 
 def percent(fraction: float | None) -> str:

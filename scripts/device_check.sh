@@ -18,9 +18,7 @@
 # one stream, the context kernel a programmatic dependent of the system kernel, no merge kernel), then
 # times it against the committed overlap: the attention alone at four llama3 shapes, at a job's
 # lengths, and in whole llama3 jobs.
-# The rope part (at most 9 minutes, one call) checks a decode step's RoPE and KV write inside the
-# attention kernels (triton_rope.DecodeRope) and times whole llama3 jobs against them apart.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|rope ...]
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,13 +88,7 @@ for part in "${parts[@]}"; do
         --out "$OUT/pdl_ctx_lengths.log" 2>&1 | grep -v Warn | tail -4
       timeout 200 python3 scripts/device_ab_context.py --repeats 2 --variants default,pdl 2>&1 \
         | tee "$OUT/pdl_ab.log" | grep -E "^(run|median)" ;;
-    rope)  # a decode step's RoPE and KV write inside the attention kernels: checked, then whole jobs against apart
-      timeout 240 python3 -m pytest -q tests/test_triton_fused_rope.py tests/test_decode_graph_buffers.py \
-        "tests/test_triton_layer_ops.py::test_engine_step_with_fused_rope_equals_the_unfused_step" 2>&1 \
-        | tee "$OUT/rope_tests.log" | tail -2
-      timeout 300 python3 scripts/device_ab_context.py --repeats 2 --variants default,rope-apart 2>&1 \
-        | tee "$OUT/rope_ab.log" | grep -E "^(run|median)" ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl, rope)"; exit 2 ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1

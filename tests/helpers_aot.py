@@ -1,7 +1,6 @@
 """Compile relay's Triton attention kernels ahead of time for an H100/H200 (sm_90) on any
 machine, no GPU needed (Triton ships ptxas), and print which grid-dependency instructions
-(programmatic dependent launch) each variant's PTX carries, as JSON; the fused-RoPE variants
-too, so that a kernel change that does not compile for the GPU fails in CI.
+(programmatic dependent launch) each variant's PTX carries, as JSON.
 
 Run as a script, without TRITON_INTERPRET (under it @triton.jit builds interpreted functions)."""
 
@@ -33,29 +32,22 @@ def griddep(fn, constexprs: dict, pointers: dict, **options) -> list[str]:
                    if line.strip().startswith("griddepcontrol")})
 
 
-def paged(wait_sys: bool, rope: bool = False) -> list[str]:
+def paged(wait_sys: bool) -> list[str]:
     consts = dict(G=4, D=128, BLOCK_M=16, BLOCK_N=32, PAGE=16, HAS_PREFIX=False, FILTER=False, HEADS_FAST=True,
-                  HAS_SYS=True, SYS_UNROLL=4, WRITE_LSE=False, IEEE=False, BT_AHEAD=False, WAIT_SYS=wait_sys,
-                  ROPE=rope)
-    ptrs = {name: "*bf16" for name in ("q_ptr", "kc_ptr", "vc_ptr", "kp_ptr", "vp_ptr", "o_ptr",
-                                       "cos_ptr", "sin_ptr", "kn_ptr", "vn_ptr")}
+                  HAS_SYS=True, SYS_UNROLL=4, WRITE_LSE=False, IEEE=False, BT_AHEAD=False, WAIT_SYS=wait_sys)
+    ptrs = {name: "*bf16" for name in ("q_ptr", "kc_ptr", "vc_ptr", "kp_ptr", "vp_ptr", "o_ptr")}
     ptrs.update({name: "*fp32" for name in ("lse_ptr", "so_ptr", "sl_ptr")})
     ptrs.update({name: "*i32" for name in ("cu_ptr", "ctx_ptr", "bt_ptr", "grp_ptr")})
-    ptrs["slot_ptr"] = "*i64"
     return griddep(_paged_kernel, consts, ptrs, num_warps=2, num_stages=2)
 
 
-def system(trigger: bool, rope: bool = False) -> list[str]:
-    consts = dict(G=4, D=128, BLOCK_M=64, BLOCK_N=64, HAS_ROWS=True, IEEE=False, TMA=False, TRIGGER=trigger,
-                  ROPE=rope)
-    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32",
-                cos_ptr="*bf16", sin_ptr="*bf16")
+def system(trigger: bool) -> list[str]:
+    consts = dict(G=4, D=128, BLOCK_M=64, BLOCK_N=64, HAS_ROWS=True, IEEE=False, TMA=False, TRIGGER=trigger)
+    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
     return griddep(_system_kernel, consts, ptrs, num_warps=4, num_stages=3)
 
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
-    # the fused-RoPE variants (triton_rope.DecodeRope) compile for sm_90 too, with no grid dependency
     print(json.dumps({"paged": paged(False), "paged_wait_sys": paged(True),
-                      "system": system(False), "system_trigger": system(True),
-                      "paged_rope": paged(False, rope=True), "system_rope": system(False, rope=True)}))
+                      "system": system(False), "system_trigger": system(True)}))

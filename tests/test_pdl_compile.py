@@ -26,5 +26,4 @@ def test_pdl_flags_reach_the_compiled_kernels():
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got == {"paged": [], "paged_wait_sys": ["griddepcontrol.wait"],
-                   "system": [], "system_trigger": ["griddepcontrol.launch_dependents"],
-                   "paged_rope": [], "system_rope": []}, got
+                   "system": [], "system_trigger": ["griddepcontrol.launch_dependents"]}, got

@@ -601,7 +601,7 @@ def test_backend_gives_every_relay_call_its_one_side_stream(monkeypatch):
     monkeypatch.setattr(triton_ops, "prefix_paged_attention", lambda *a, **k: calls.append(("base", k)) or a[0])
     monkeypatch.setattr(triton_ops, "write_kv", lambda *a: None)
     caches = [torch.zeros(2, 16, 1, 16)]
-    meta = types.SimpleNamespace(slot_mapping=None, is_decode=False)
+    meta = types.SimpleNamespace(slot_mapping=None)
     relay = backend.PagedAttention(caches, caches, [], "relay", "triton", 0.25)
     assert relay.side_stream is None  # CPU caches: no stream
     relay.side_stream = stream = object()
