@@ -44,22 +44,40 @@ def triton_available(device: torch.device) -> bool:
 
 class TritonLayerOps:
     """models.llama.EagerOps in fused Triton kernels (CUDA), rounding at the same points
-    (results within about one unit in the last place of the eager ops)."""
+    (results within about one unit in the last place of the eager ops).
 
-    def __init__(self) -> None:
+    pdl: each kernel is launched as a programmatic dependent of the product before it
+    (kernels.pdl: the same results, the launch overlapping that product's tail)."""
+
+    def __init__(self, pdl: bool = False) -> None:
         from kernels.triton_rms_norm import add_rms_norm
         from kernels.triton_rope import rope, rope_into_cache
         from kernels.triton_silu_mul import silu_mul
-        self._add_rms_norm, self.rope, self.silu_mul = add_rms_norm, rope, silu_mul
-        self.rope_into_cache = rope_into_cache
+        self._add_rms_norm, self._rope, self._silu_mul = add_rms_norm, rope, silu_mul
+        self._rope_into_cache = rope_into_cache
+        self.pdl = pdl
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self._add_rms_norm(x, residual, norm.weight, norm.eps, pdl=self.pdl)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rope(q, k, cos, sin, pdl=self.pdl)
+
+    def rope_into_cache(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        return self._rope_into_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, pdl=self.pdl)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._silu_mul(gate_up, pdl=self.pdl)
 
 
-def layer_ops(impl: str):
-    """Fused elementwise ops for this attention impl, or None for the eager ones."""
-    return TritonLayerOps() if impl == "triton" else None
+def layer_ops(impl: str, device: torch.device | None = None):
+    """Fused elementwise ops for this attention impl, or None for the eager ones; on a
+    Hopper-class GPU they launch as programmatic dependents (kernels.pdl)."""
+    if impl != "triton":
+        return None
+    from kernels.pdl import pdl_supported
+    return TritonLayerOps(pdl=device is not None and pdl_supported(device))
 
 
 class PagedAttention:

@@ -11,12 +11,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from kernels.pdl import launch_options
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
                          stride_x, stride_r, stride_o, stride_ro,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: wait for the kernel before, then touch memory
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -34,9 +39,11 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [N, H] (residual None on the first layer), weight [H] ->
-    (rmsnorm(x + residual) * weight, x + residual), both [N, H] in x's dtype."""
+    (rmsnorm(x + residual) * weight, x + residual), both [N, H] in x's dtype.
+
+    pdl: launch as a programmatic dependent of the kernel before (kernels.pdl)."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [N, H] with unit last stride, got {tuple(x.shape)}"
     n, hidden = x.shape
     assert weight.shape == (hidden,) and weight.dtype == x.dtype and weight.is_contiguous(), \
@@ -51,5 +58,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _add_rms_norm_kernel[(n,)](
             x, residual if residual is not None else x, weight, out, res_out, hidden, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl,
+            **launch_options(pdl))
     return out, res_out

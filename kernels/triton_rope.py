@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from kernels.pdl import launch_options
 from kernels.reference import check_kv_write
 
 
@@ -40,9 +42,12 @@ def _rope_heads(x_ptr, o_ptr, row, out_row, stride_x, stride_xh, stride_o, strid
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, v_ptr, vo_ptr, slot_ptr, num_q_heads, num_k_heads,
                  stride_q, stride_qh, stride_k, stride_kh, stride_c, stride_qo, stride_qoh, stride_ko, stride_koh,
                  stride_v, stride_vh, stride_vo, stride_voh,
-                 HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TO_CACHE: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TO_CACHE: tl.constexpr,
+                 PDL: tl.constexpr):
     """One token: rotate q into qo; rotate k into ko (TO_CACHE: the paged cache's slot of the
     token, and v copied into its slot too)."""
+    if PDL:  # launched as a programmatic dependent: wait for the kernel before, then touch memory
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF)
     # cos/sin are already in the run dtype (as transformers casts them); products in fp32
@@ -78,7 +83,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return cos, sin
 
 
-def _launch(q, k, cos, sin, q_out, k_out, v, v_out, slots, k_row_stride, v_row_stride) -> None:
+def _launch(q, k, cos, sin, q_out, k_out, v, v_out, slots, k_row_stride, v_row_stride, pdl) -> None:
     n, hq, d = q.shape
     hk = k.shape[1]
     if n == 0:
@@ -89,32 +94,34 @@ def _launch(q, k, cos, sin, q_out, k_out, v, v_out, slots, k_row_stride, v_row_s
         q_out.stride(0), q_out.stride(1), k_row_stride, d, v.stride(0), v.stride(1), v_row_stride, d,
         HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
         TO_CACHE=slots is not None, num_warps=8 if triton.next_power_of_2(hq) * d >= 8192 else 4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, PDL=pdl, **launch_options(pdl))
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D], k [N, Hkv, D] (views with unit last stride are fine), cos/sin [N, D] or
-    [N, 1, D] in q's dtype -> rotated q, k, new contiguous tensors."""
+    [N, 1, D] in q's dtype -> rotated q, k, new contiguous tensors. pdl: kernels.pdl."""
     cos, sin = _check(q, k, cos, sin)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch(q, k, cos, sin, q_out, k_out, k, k_out, None, k_out.stride(0), k_out.stride(0))
+    _launch(q, k, cos, sin, q_out, k_out, k, k_out, None, k_out.stride(0), k_out.stride(0), pdl)
     return q_out, k_out
 
 
 def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    pdl: bool = False) -> torch.Tensor:
     """rope(q, k) with the rotated k, and v, stored at their flat slots of the paged cache.
 
     One launch instead of three (rope, then write_kv's two copies) and no k tensor in
     between; k/v land exactly as rope + write_kv would put them. q, k, v [N, H, D] with unit
     last stride; caches [num_blocks, block_size, Hkv, D] contiguous; slot_mapping [N] int64.
-    Returns the rotated q [N, Hq, D].
+    Returns the rotated q [N, Hq, D]. pdl: kernels.pdl.
     """
     cos, sin = _check(q, k, cos, sin)
     check_kv_write(k_cache, v_cache, k, v, slot_mapping)
     assert v.stride(-1) == 1 and q.device == k.device, "v needs a unit last stride, and q, k one device"
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     row = k.shape[1] * k.shape[2]  # a flat slot of the cache
-    _launch(q, k, cos, sin, q_out, k_cache, v, v_cache, slot_mapping, row, row)
+    _launch(q, k, cos, sin, q_out, k_cache, v, v_cache, slot_mapping, row, row, pdl)
     return q_out

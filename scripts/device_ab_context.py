@@ -12,9 +12,10 @@ combines two variants' changes; `no-maxnreg` drops the 32-key tile's register ca
 `system-first-full` undo the overlapped step's plan (the system kernel first, at one
 program an SM where the context is the larger step) in part; `sys-32x3`, `sys-32x4` and
 `sys-64x2` give the decode system tile another key tile and stage count; `pdl` runs the
-step on one stream, the context kernel a programmatic dependent of the system kernel; `prefill-serial` reads a
-prefill back before the next step launches, as the engine did before the eleventh
-session (--no-relay times the baseline).
+step on one stream, the context kernel a programmatic dependent of the system kernel;
+`no-pdl-ops` launches the layer's small kernels plainly, as before the fifteenth session
+(kernels.pdl); `prefill-serial` reads a prefill back before the next step launches, as
+the engine did before the eleventh session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
 Prints each run, then per variant the median of requests/s, of the share of the floor
@@ -47,6 +48,7 @@ from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.roofline import ModelShape, measure_ceilings, price_decode  # noqa: E402
 from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
 from relaycli.compile import prefix_from_ids  # noqa: E402
+from relaycli.engine import model_runner  # noqa: E402
 from relaycli.engine.engine import Engine  # noqa: E402
 
 # what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config, or
@@ -78,7 +80,10 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "sys-64x2": dict(sys_tile=dict(BLOCK_N=64, num_stages=2)),
             # one stream: the context kernel a programmatic dependent of the system kernel,
             # folding its partials in (no merge kernel, no side stream)
-            "pdl": dict(relay_kwargs=dict(pdl=True))}
+            "pdl": dict(relay_kwargs=dict(pdl=True)),
+            # the layer's small kernels (add + RMSNorm, RoPE, silu * up) launched plainly, as
+            # before the fifteenth session, not as programmatic dependents (kernels.pdl)
+            "no-pdl-ops": dict(plain_layer_ops=True)}
 
 
 def resolve(name: str) -> dict:
@@ -103,6 +108,7 @@ def variant(change: dict):
     short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
     relay_kwargs = change.pop("relay_kwargs", None)
     sys_tile = change.pop("sys_tile", None)
+    plain_layer_ops = change.pop("plain_layer_ops", False)
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
         triton_ops.relay_attention_with
     sys_config = triton_plan.system_config
@@ -125,6 +131,9 @@ def variant(change: dict):
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
     if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
         triton_ops.relay_attention_with = functools.partial(relay, **relay_kwargs)
+    ops_for = model_runner.layer_ops
+    if plain_layer_ops:  # the runner looks layer_ops up in its module as it builds
+        model_runner.layer_ops = lambda impl, device=None: ops_for(impl, None)
     if prefill_serial:
         def serial_step(engine):
             finished = []
@@ -140,6 +149,7 @@ def variant(change: dict):
         tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
         triton_ops.relay_attention_with = relay
         triton_ops.system_config = tsa.system_config = sys_config
+        model_runner.layer_ops = ops_for
 
 
 def percent(fraction: float | None) -> str:

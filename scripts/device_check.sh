@@ -18,7 +18,10 @@
 # one stream, the context kernel a programmatic dependent of the system kernel, no merge kernel), then
 # times it against the committed overlap: the attention alone at four llama3 shapes, at a job's
 # lengths, and in whole llama3 jobs.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl ...]
+# The pdl-ops part (at most 9.5 minutes, one call) checks the layer's small kernels launched as
+# programmatic dependents (kernels.pdl), times whole llama3 jobs against plain launches, then
+# runs the issue-6 llama3 relay job (1,000 requests).
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,7 +91,13 @@ for part in "${parts[@]}"; do
         --out "$OUT/pdl_ctx_lengths.log" 2>&1 | grep -v Warn | tail -4
       timeout 200 python3 scripts/device_ab_context.py --repeats 2 --variants default,pdl 2>&1 \
         | tee "$OUT/pdl_ab.log" | grep -E "^(run|median)" ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl)"; exit 2 ;;
+    pdl-ops)  # the layer's small kernels as programmatic dependents (kernels.pdl): checked, whole jobs against plain
+      timeout 200 python3 -m pytest -q tests/test_triton_layer_ops.py tests/test_decode_graph_buffers.py 2>&1 \
+        | tee "$OUT/pdl_ops_tests.log" | tail -2
+      timeout 260 python3 scripts/device_ab_context.py --repeats 2 --variants default,no-pdl-ops 2>&1 \
+        | tee "$OUT/pdl_ops_ab.log" | grep -E "^(run|median)"
+      bench 120 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json" ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl, pdl-ops)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1

@@ -47,7 +47,24 @@ def system(trigger: bool) -> list[str]:
     return griddep(_system_kernel, consts, ptrs, num_warps=4, num_stages=3)
 
 
+def layer_ops(pdl: bool) -> dict[str, list[str]]:
+    """The small kernels between a layer's products (kernels.pdl), as the engine launches them."""
+    from kernels.triton_rms_norm import _add_rms_norm_kernel
+    from kernels.triton_rope import _rope_kernel
+    from kernels.triton_silu_mul import _silu_mul_kernel
+    bf16 = lambda *names: {name: "*bf16" for name in names}  # noqa: E731
+    return {
+        "add_rms_norm": griddep(_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=pdl),
+                                bf16("x_ptr", "r_ptr", "w_ptr", "out_ptr", "res_out_ptr"), num_warps=16),
+        "rope": griddep(_rope_kernel, dict(HALF=64, BLOCK_HQ=32, BLOCK_HK=8, TO_CACHE=True, PDL=pdl),
+                        dict(bf16("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr", "v_ptr", "vo_ptr"),
+                             slot_ptr="*i64"), num_warps=8, enable_fp_fusion=False),
+        "silu_mul": griddep(_silu_mul_kernel, dict(BLOCK=1024, PDL=pdl), bf16("gu_ptr", "out_ptr"), num_warps=4),
+    }
+
+
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     print(json.dumps({"paged": paged(False), "paged_wait_sys": paged(True),
-                      "system": system(False), "system_trigger": system(True)}))
+                      "system": system(False), "system_trigger": system(True),
+                      "layer_ops": layer_ops(False), "layer_ops_pdl": layer_ops(True)}))

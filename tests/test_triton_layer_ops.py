@@ -170,3 +170,55 @@ def test_model_forward_with_fused_ops_equals_eager(rng):
     want = lm.model(ids, pos, attend)
     got = lm.model(ids, pos, attend, TritonLayerOps())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_layer_ops_launched_as_programmatic_dependents_give_the_same_bits(dtype, rng):
+    """Each op right behind the matmul that feeds it (as in a layer), launched with PDL and
+    without, eagerly and replayed from one CUDA graph on fresh inputs: the same bits, so
+    every op waited for its producer (kernels.pdl)."""
+    from kernels.backend import layer_ops
+    assert layer_ops("triton", torch.device("cuda")).pdl and not layer_ops("triton", torch.device("cpu")).pdl
+    n, hidden, kv, d = rng.choice([8, 256]), 4096, 8, 128
+    x = torch.empty(n, hidden, device="cuda", dtype=dtype)
+    residual = torch.empty_like(x)
+    w_qkv = torch.randn(48 * d, hidden, device="cuda", dtype=dtype) * 0.02
+    w_gu = torch.randn(2 * 14336, hidden, device="cuda", dtype=dtype) * 0.02
+    cos, sin = (torch.empty(n, 1, d, device="cuda", dtype=dtype) for _ in range(2))
+    norm = _norm(hidden, dtype, rng)
+    caches = {pdl: [torch.zeros(n, 1, kv, d, device="cuda", dtype=dtype) for _ in range(2)] for pdl in (False, True)}
+    slots = torch.randperm(n, device="cuda")
+
+    def step(ops, pdl):
+        y, res = ops.add_rms_norm(x @ w_gu[:hidden].T, residual, norm)  # behind a product, as after o_proj
+        qkv = y @ w_qkv.T
+        q, k, v = (t.view(n, -1, d) for t in qkv.split([32 * d, kv * d, kv * d], dim=-1))
+        q_rot = ops.rope_into_cache(q, k, v, cos, sin, *caches[pdl], slots)
+        act = ops.silu_mul(y @ w_gu.T)
+        return torch.cat([y.flatten(), res.flatten(), q_rot.flatten(), act.flatten()])
+
+    def fresh():
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        emb = torch.rand(n, 1, d, device="cuda") * 6.3
+        cos.copy_(emb.cos())
+        sin.copy_(emb.sin())
+    plain, pdl_ops = TritonLayerOps(pdl=False), TritonLayerOps(pdl=True)
+    fresh()
+    assert torch.equal(step(pdl_ops, True), step(plain, False))
+    outs = {}
+    graphs = {}
+    for pdl, ops in ((False, plain), (True, pdl_ops)):
+        step(ops, pdl)  # compile outside capture
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            outs[pdl] = step(ops, pdl)
+    for _ in range(3):
+        fresh()
+        graphs[True].replay()
+        graphs[False].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[True], outs[False])
+        assert all(torch.equal(a, b) for a, b in zip(caches[True], caches[False]))

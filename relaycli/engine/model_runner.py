@@ -54,7 +54,7 @@ class ModelRunner:
                                         [(p.keys, p.values) for p in self.prefixes],
                                         "relay" if config.relay else "no-relay", impl,
                                         self.mc.head_dim ** -0.5)
-        self.layer_ops = layer_ops(impl)  # fused norm/rope/activation kernels, or None: eager
+        self.layer_ops = layer_ops(impl, self.device)  # fused norm/rope/activation kernels, or None: eager
         self.sampler = Sampler(self.device, "triton" if impl == "triton" else "torch")
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and impl == "triton":
