@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels.metadata import AttentionMetadata
+from kernels.pdl import launch_options
 from kernels.triton_plan import fit_smem, num_sms, split_plan
 from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
@@ -333,7 +334,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
         HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
         IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, WAIT_SYS=wait_sys, **cfg,
-        **(dict(launch_pdl=True) if wait_sys else {}))
+        **launch_options(wait_sys))
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
