@@ -32,7 +32,9 @@ def group_prefixes(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, t
 def sequence_groups(meta: AttentionMetadata, groups) -> tuple[torch.Tensor | None, bool]:
     """(seq_group [B] int32 or None, whether some sequences have no prefix).
 
-    None when one group holds every sequence: then no launch needs to filter.
+    Sequence b belongs to prefix group seq_group[b], in the order of groups; a sequence
+    without a prefix to the group numbered len(groups), which its own launch serves. None
+    when one group holds every sequence: then no launch needs to filter.
     """
     covered = sum(int(g.seq_indices.shape[0]) for g, _, _ in groups)
     rest = covered < meta.num_seqs
@@ -40,7 +42,7 @@ def sequence_groups(meta: AttentionMetadata, groups) -> tuple[torch.Tensor | Non
         return None, False
     if not groups:
         return None, True
-    seq_group = torch.full((meta.num_seqs,), -1, dtype=torch.int32, device=meta.context_lens.device)
+    seq_group = torch.full((meta.num_seqs,), len(groups), dtype=torch.int32, device=meta.context_lens.device)
     for gid, (g, _, _) in enumerate(groups):
         seq_group[g.seq_indices] = gid
     return seq_group, rest
@@ -69,7 +71,7 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for gid, (_, k_sys, v_sys) in enumerate(groups):
         paged_attention(q, k_cache, v_cache, meta, scale, prefix=(k_sys, v_sys), group_id=gid, **common)
     if rest:
-        paged_attention(q, k_cache, v_cache, meta, scale, group_id=-1, **common)
+        paged_attention(q, k_cache, v_cache, meta, scale, group_id=len(groups), **common)
     if splits == 1:
         return out[0]
     return merge_partials(out, lse, q.dtype, with_lse=False)[0]

@@ -74,7 +74,7 @@ def read_part(path: Path) -> Iterator[dict]:
 
 def merge_parts(paths: Iterable[Path]) -> Iterator[dict]:
     """Rows of sorted parts in row order; a row found in two parts (a crash mid-merge) once."""
-    last = -1
+    last = None
     for row in heapq.merge(*(read_part(p) for p in paths), key=lambda r: r["row_index"]):
         if row["row_index"] != last:
             last = row["row_index"]
