@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_plan import is_hopper_or_newer
+
 
 def pdl_supported(device: torch.device) -> bool:
     """Hopper or newer, NVIDIA (the launch attribute and griddepcontrol need sm_90)."""
-    return (device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return is_hopper_or_newer(device)
 
 
 def launch_options(pdl: bool) -> dict:

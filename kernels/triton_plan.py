@@ -144,8 +144,13 @@ def smem_per_block(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 180 * 1024 + 4096) - 3 * 1024
 
 
+def is_hopper_or_newer(device: torch.device) -> bool:
+    """An NVIDIA GPU of compute capability 9.0 or newer (TMA descriptors, griddepcontrol)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tma_ok(t: torch.Tensor) -> bool:
     """A host tensor descriptor needs NVIDIA Hopper or newer (or the interpreter), 16-byte alignment."""
-    if t.is_cuda and (torch.version.hip is not None or torch.cuda.get_device_capability(t.device)[0] < 9):
+    if t.is_cuda and not is_hopper_or_newer(t.device):
         return False
     return t.is_contiguous() and t.data_ptr() % 16 == 0
