@@ -17,7 +17,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import matrix_bound, resident_splits, split_plan, system_config
+from kernels.triton_plan import DECODE_TILE, matrix_bound, resident_splits, split_plan, system_config
 from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
@@ -53,7 +53,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     when the step overlaps and its system step is matrix-bound; False: the context
     first, as the engine did for every step before the thirteenth session). resident:
     with system_side, plan the system split count so that its programs take at most one
-    slot an SM and context programs run beside them (plan_system_splits: None where that
+    slot an SM and context programs run beside them (plan_system: None where that
     fits under the context step, True always, False never). H200, graphed
     (docs/kernels.md): the system kernel first was 2-6% faster than the context first at
     three llama3-8b shapes and 6% slower for llama2-7b at batch 64 (a byte-bound system
@@ -85,8 +85,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         system_side = work is not None and matrix_bound(*work[:2])
     s_splits = 0
     if groups:
-        s_splits = plan_system_splits(groups, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
-                                      resident if work is not None and (system_side or pdl) else False, work)
+        s_splits, sys_config = plan_system(groups, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
+                                           resident if work is not None and (system_side or pdl) else False, work)
     overlap = overlap and bool(groups) and not pdl
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
@@ -136,30 +136,39 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 
-def plan_system_splits(groups: list, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
-                       device: torch.device, config: dict | None, num_splits: int | None,
-                       resident: bool | None, work: tuple[float, float, float] | None) -> int:
-    """The system step's split count (num_splits, when given, wins).
+def plan_system(groups: list, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
+                device: torch.device, config: dict | None, num_splits: int | None,
+                resident: bool | None, work: tuple[float, float, float] | None) -> tuple[int, dict]:
+    """The system step's split count (num_splits, when given, wins) and tile.
 
     groups: (PrefixGroup, k_sys, v_sys) of the step; config: the system tile (None:
-    system_config's). resident: False plans for the tile's per_sm programs an SM
-    (split_plan); None plans for at most one an SM where triton_plan.resident_splits finds
-    that the system kernel then fits under the context step, else as False; True plans
-    for at most one an SM regardless. work: overlap_work's sizes (needed unless resident
-    is False).
+    system_config's, except below). resident: False plans for the tile's per_sm programs
+    an SM (split_plan); None plans for at most one an SM where triton_plan.resident_splits
+    finds that the system kernel then fits under the context step, else as False; True
+    plans for at most one an SM regardless. work: overlap_work's sizes (needed unless
+    resident is False). Where the system kernel fits beside the context, an unforced tile
+    is DECODE_TILE, not the warp-specialised one: that claims a whole SM's registers, so no
+    context program runs beside it (H200, llama3-8b heads, graphed relay step, sixteenth
+    session: 111.9 against 114.8 us at batch 256, 2,048 prefix tokens and 300 own; where the
+    system step is the longer one, 8,192 and 128, the warp-specialised tile won, 108.6
+    against 115.2 us).
     """
     rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * (num_heads // num_kv_heads)
-    config = config or system_config(rows, head_dim, device, elem)
-    programs = triton.cdiv(rows, config["BLOCK_M"]) * num_kv_heads
+    tile = config or system_config(rows, head_dim, device, elem, num_kv_heads)
     longest = max(k.shape[0] for _, k, _ in groups)
+
+    def programs(cfg: dict) -> int:
+        return triton.cdiv(rows, cfg["BLOCK_M"]) * num_kv_heads
     if num_splits is None and resident is not False:
         _, sys_bytes, ctx_bytes = work
-        fit = resident_splits(programs, longest, config["BLOCK_M"], head_dim, sys_bytes, ctx_bytes, device)
+        beside = DECODE_TILE if config is None and tile.get("ws", False) is not False else tile
+        fit = resident_splits(programs(beside), longest, beside["BLOCK_M"], head_dim, sys_bytes, ctx_bytes, device)
         if fit is not None:
-            return fit
+            return fit, dict(beside)
         if resident:
-            return split_plan(longest, programs, device, config["BLOCK_N"], per_sm=1)[0]
-    return split_plan(longest, programs, device, config["BLOCK_N"], num_splits, per_sm=config.get("per_sm", 1))[0]
+            return split_plan(longest, programs(tile), device, tile["BLOCK_N"], per_sm=1)[0], tile
+    return split_plan(longest, programs(tile), device, tile["BLOCK_N"], num_splits,
+                      per_sm=tile.get("per_sm", 1))[0], tile
 
 
 def overlap_work(meta: AttentionMetadata, groups: list, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -110,28 +110,43 @@ def merge_unroll(programs: int, device: torch.device) -> int:
 
 
 PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pay
+# Decode-sized system tiles on the GPU. DECODE_TILE: 64 query rows (one warpgroup of wgmma),
+# 64-key tiles, 3 stages, two programs an SM. WS_TILE: the warp-specialised Gluon kernel,
+# 128 rows in two consumer warpgroups beside a TMA warp, 128-key tiles, 2 stages, one
+# program an SM (it claims the whole register file). tma/gluon/ws None: taken inside
+# CUDA-graph capture only, where building TMA descriptors costs no host time every step.
+DECODE_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None, gluon=None)
+WS_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, per_sm=1, tma=None, gluon=None, ws=None)
 
 
-def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2) -> dict:
-    """Tile shape for a [rows, D] x [S, D]^T problem.
+def ws_pays(rows: int, kv_heads: int, sms: int) -> bool:
+    """Whether the warp-specialised tile beats DECODE_TILE: its grid before any split,
+    ceil(rows / 128) x kv_heads programs, covers at least a quarter of the SMs. H200,
+    graph-replayed, L2 flushed (docs/kernels.md, sixteenth session): at 64 such programs
+    (batch 256, llama2-7b and llama3-8b heads) 10-12% faster at 8,192 prefix tokens and
+    0-6% at 2,048; at 16 and 32 (batch 64) from 1% faster to 12% slower."""
+    return 4 * -(-rows // WS_TILE["BLOCK_M"]) * kv_heads >= sms
 
-    On the GPU, decode-sized: 64-row tiles (one warpgroup of wgmma), 64-key tiles, 3
-    stages; two programs share an SM. On an H200 (docs/kernels.md), with K/V fetched by
-    TMA, that was as fast as 128-row tiles with 8 warps at 64 queries and 4-12% faster
-    at 256. tma=None: TMA only inside CUDA-graph capture, where building the descriptors
-    costs no host time on every step. gluon=None: there, on Hopper, the same tile runs as
-    kernels/gluon_system_attention.py (the softmax beside the tensor cores; up to 6% faster on
-    the H200, docs/kernels.md). Prefill-sized (PREFILL_ROWS rows or more): 128 x 128
-    tiles, 8 warps, 3 stages, TMA even eagerly (a descriptor is cheap next to a kernel of
-    milliseconds). On the H200, 8,192 prefill tokens against an 8,192-token prefix took
-    2.00 ms instead of 2.27 ms (llama2-7b heads; scripts/device_prefill_sweep.py). That
-    tile needs about 224 KiB of shared memory, so it is kept only where the device has it.
+
+def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2, kv_heads: int = 1) -> dict:
+    """Tile shape for a [rows, D] x [S, D]^T problem (rows: the queries of one KV head, x G).
+
+    On the GPU, decode-sized: DECODE_TILE, or on Hopper WS_TILE where ws_pays. On an H200
+    (docs/kernels.md), with K/V fetched by TMA, the 64-row tile was as fast as 128-row tiles
+    with 8 warps at 64 queries and 4-12% faster at 256; gluon=None runs it inside capture as
+    kernels/gluon_system_attention.py (the softmax beside the tensor cores; up to 6% faster).
+    Prefill-sized (PREFILL_ROWS rows or more): 128 x 128 tiles, 8 warps, 3 stages, TMA even
+    eagerly (a descriptor is cheap next to a kernel of milliseconds). On the H200, 8,192
+    prefill tokens against an 8,192-token prefix took 2.00 ms instead of 2.27 ms (llama2-7b
+    heads; scripts/device_prefill_sweep.py). That tile needs about 224 KiB of shared memory,
+    so it is kept only where the device has it.
     """
     if device.type == "cuda":
         if rows >= PREFILL_ROWS:
             cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1, tma=True)
             return fit_smem(cfg, head_dim, elem, smem_per_block(device))
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None, gluon=None)
+        hopper = torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0)
+        cfg = dict(WS_TILE if hopper and ws_pays(rows, kv_heads, num_sms(device)) else DECODE_TILE)
     else:  # the interpreter: small tiles keep the split and tail paths busy
         block_m = 64 if rows > 32 else 32 if rows > 16 else 16
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2)

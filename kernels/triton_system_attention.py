@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.triton_plan import merge_unroll, split_plan, system_config, tma_ok
+from kernels.triton_plan import DECODE_TILE, merge_unroll, split_plan, system_config, tma_ok
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -258,16 +258,20 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         assert rows.dim() == 1 and rows.dtype == torch.int64, "rows must be [n] int64"
     if n_q == 0:
         return
-    cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size()))
+    cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size(), hkv))
     cfg.pop("per_sm", None)
     gluon = cfg.pop("gluon", False)
+    ws = cfg.pop("ws", False)
     if gluon is None:  # as tma=None: inside CUDA-graph capture, where descriptors cost no host time
         gluon = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if gluon and gluon_usable(q, k_sys, v_sys):
         from kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
-                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], trigger)
+                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], trigger=trigger,
+                                    ws=ws is not False)
         return
+    if ws is not False:  # the warp-specialised tile is Gluon's alone; Triton takes its decode tile
+        cfg.update({key: DECODE_TILE[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
     seq_len = k_sys.shape[0]
     tma = cfg.pop("tma", False)
     if tma is None:
@@ -321,7 +325,7 @@ def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, 
     """
     check_prefix(q, k_sys, v_sys)
     n, hq, d = q.shape
-    cfg = dict(config or system_config(n * hq // k_sys.shape[1], d, q.device, q.element_size()))
+    cfg = dict(config or system_config(n * hq // k_sys.shape[1], d, q.device, q.element_size(), k_sys.shape[1]))
     programs = triton.cdiv(n * hq // k_sys.shape[1], cfg["BLOCK_M"]) * k_sys.shape[1]
     splits, _ = split_plan(k_sys.shape[0], programs, q.device, cfg["BLOCK_N"], num_splits, per_sm=cfg.get("per_sm", 1))
     if splits == 1:  # write the final result straight away, no partial round trip

@@ -11,7 +11,8 @@ combines two variants' changes; `no-maxnreg` drops the 32-key tile's register ca
 `short-N` gives decode key ranges up to N that tile; `context-first` and
 `system-first-full` undo the overlapped step's plan (the system kernel first, at one
 program an SM where the context is the larger step) in part; `sys-32x3`, `sys-32x4` and
-`sys-64x2` give the decode system tile another key tile and stage count; `pdl` runs the
+`sys-64x2` give the decode system tile another key tile and stage count; `no-ws` keeps
+the 64-row system tile where the warp-specialised one would run; `pdl` runs the
 step on one stream, the context kernel a programmatic dependent of the system kernel;
 `no-pdl-ops` launches the layer's small kernels plainly, as before the fifteenth session
 (kernels.pdl); `prefill-serial` reads a prefill back before the next step launches, as
@@ -78,6 +79,9 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "sys-32x3": dict(sys_tile=dict(BLOCK_N=32, num_stages=3)),
             "sys-32x4": dict(sys_tile=dict(BLOCK_N=32, num_stages=4)),
             "sys-64x2": dict(sys_tile=dict(BLOCK_N=64, num_stages=2)),
+            # the 64-row decode system tile where the warp-specialised one would run (before
+            # the sixteenth session)
+            "no-ws": dict(no_ws=True),
             # one stream: the context kernel a programmatic dependent of the system kernel,
             # folding its partials in (no merge kernel, no side stream)
             "pdl": dict(relay_kwargs=dict(pdl=True)),
@@ -108,15 +112,18 @@ def variant(change: dict):
     short_keys = change.pop("short_tile_keys", tca.SHORT_TILE_KEYS)
     relay_kwargs = change.pop("relay_kwargs", None)
     sys_tile = change.pop("sys_tile", None)
+    no_ws = change.pop("no_ws", False)
     plain_layer_ops = change.pop("plain_layer_ops", False)
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
         triton_ops.relay_attention_with
     sys_config = triton_plan.system_config
 
-    def system_tile(rows, head_dim, device, elem=2):
-        cfg = sys_config(rows, head_dim, device, elem)
-        return dict(cfg, **sys_tile) if cfg["BLOCK_M"] == 64 else cfg  # decode-sized only
-    if sys_tile is not None:  # both modules that plan or launch the system kernel
+    def system_tile(rows, head_dim, device, elem=2, kv_heads=1):
+        cfg = sys_config(rows, head_dim, device, elem, kv_heads)
+        if no_ws and "ws" in cfg:
+            cfg = dict(triton_plan.DECODE_TILE)
+        return dict(cfg, **sys_tile) if sys_tile and cfg["BLOCK_M"] == 64 else cfg  # decode-sized only
+    if sys_tile is not None or no_ws:  # both modules that plan or launch the system kernel
         triton_ops.system_config = tsa.system_config = system_tile
 
     def tile(rows_per_seq, head_dim, device, elem=2, keys=1 << 30, num_programs=None):

@@ -21,7 +21,18 @@
 # The pdl-ops part (at most 9.5 minutes, one call) checks the layer's small kernels launched as
 # programmatic dependents (kernels.pdl), times whole llama3 jobs against plain launches, then
 # runs the issue-6 llama3 relay job (1,000 requests).
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops ...]
+# The ws part (at most 9 minutes, one call) checks the Gluon system kernels, the warp-specialised
+# one among them (kernels/gluon_system_attention.py), against the reference, then times every
+# system-kernel tile at S = 8,192 and 2,048 (scripts/device_kernels.py --sweep --sys-only). The ws-ab part
+# (at most 9.5 minutes) runs the GPU tests that take it (Gluon, captured, relay and graph
+# tests), times relay attention with it and with the 64-row tile at two llama3 shapes, then
+# whole llama3 jobs (default against no-ws). The ws-plan part (at most 9.5 minutes) runs the
+# GPU tests of the relay step's tile plan (triton_ops.plan_system) and the large relay tests,
+# the kernel table, and relay attention with the plan and with the 64-row tile at three
+# llama3 shapes. The ws-jobs part (at most 9 minutes) checks greedy relay against --no-relay
+# on a full graphed batch over 4,096 prefix tokens (scripts/device_e2e.py --parts wide), times
+# whole llama3 jobs at S = 8,192 (default against no-ws), then runs the issue-6 llama3 relay job.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +56,40 @@ for part in "${parts[@]}"; do
       timeout 540 python3 -m pytest -q tests/test_triton_kernels.py tests/test_triton_layer_ops.py \
         tests/test_decode_graph_buffers.py tests/test_triton_sampler.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -3 ;;
+    ws)
+      timeout 200 python3 -m pytest -q tests/test_triton_kernels.py \
+        -k "gpu and (gluon_system_attention or warp_specialised or captured)" 2>&1 | tee "$OUT/ws_tests.log" | tail -3
+      timeout 330 python3 scripts/device_kernels.py --sweep --sys-only --prefixes 8192 2048 2>&1 \
+        | tee "$OUT/ws_sweep.log" | grep -E "sweep|check.*FAIL|failed|Error" | tail -120 ;;
+    ws-ab)
+      timeout 190 python3 -m pytest -q tests/test_triton_kernels.py \
+        -k "gpu and (gluon or captured or large or graph or relay)" 2>&1 | tee "$OUT/ws_ab_tests.log" | tail -3
+      for shape in "256 2048 300" "256 8192 128"; do
+        set -- $shape
+        for flag in "" --no-ws; do
+          timeout 50 python3 scripts/device_ncu.py --what relay --model llama3-8b --batch $1 --system $2 --own $3 \
+            --time $flag 2>&1 | grep -E "^(time|case)"
+        done
+      done | tee "$OUT/ws_relay.log"
+      timeout 250 python3 scripts/device_ab_context.py --repeats 2 --variants default,no-ws 2>&1 \
+        | tee "$OUT/ws_ab.log" | grep -E "^(run|median)" ;;
+    ws-plan)
+      timeout 200 python3 -m pytest -q tests/test_triton_kernels.py \
+        -k "gpu and (relay_and_baseline_large or pdl_step or warp_specialised or captured)" 2>&1 \
+        | tee "$OUT/ws_plan_tests.log" | tail -3
+      timeout 200 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30
+      for shape in "256 8192 128" "192 8192 128" "256 2048 300"; do
+        set -- $shape
+        for flag in "" --no-ws; do
+          timeout 40 python3 scripts/device_ncu.py --what relay --model llama3-8b --batch $1 --system $2 --own $3 \
+            --time $flag 2>&1 | grep -E "^time"
+        done
+      done | tee "$OUT/ws_plan_relay.log" ;;
+    ws-jobs)
+      timeout 200 python3 scripts/device_e2e.py --parts wide 2>&1 | tee "$OUT/e2e_wide.log" | grep -v "it/s" | tail -3
+      timeout 200 python3 scripts/device_ab_context.py --system 8192 --repeats 2 --variants default,no-ws 2>&1 \
+        | tee "$OUT/ws_ab_8192.log" | grep -E "^(run|median)"
+      bench 130 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json" ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed
@@ -97,7 +142,7 @@ for part in "${parts[@]}"; do
       timeout 260 python3 scripts/device_ab_context.py --repeats 2 --variants default,no-pdl-ops 2>&1 \
         | tee "$OUT/pdl_ops_ab.log" | grep -E "^(run|median)"
       bench 120 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json" ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl, pdl-ops)"; exit 2 ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl, pdl-ops, ws, ws-ab, ws-plan, ws-jobs)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1

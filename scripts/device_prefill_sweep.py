@@ -92,7 +92,7 @@ def main() -> None:
             print(f"{name:10s} {what:26s} {t_us:9.1f} us {tf:6.1f} TFLOP/s {row['pct_matmul']:5.1f}% "
                   f"err {err:.1e} {cfg or ''}", flush=True)
 
-        default = system_config(n * hq // hkv, d, dev, 2)
+        default = system_config(n * hq // hkv, d, dev, 2, hkv)
         for cfg in [None] + ([] if args.quick else SYS_CONFIGS):
             c = dict(cfg or default)
             c.pop("per_sm", None)

@@ -437,6 +437,43 @@ def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prefix, own, want_ws", [(8192, 128, True), (2048, 1000, False)])
+def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan_says(dtype, prefix, own, want_ws,
+                                                                                       monkeypatch):
+    """A captured full-batch decode step (llama3-8b heads, batch 256) runs the warp-specialised
+    Gluon kernel where the system step is the longer one, the 64-row one where it runs beside
+    the context (triton_ops.plan_system), and both replay to the relay reference."""
+    import kernels.gluon_system_attention as gsa
+    from kernels.triton_plan import is_hopper_or_newer
+    if not (is_hopper_or_newer(torch.device("cuda")) and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the warp-specialised system kernel is Gluon's, for sm_90")
+    rng = random.Random()
+    batch = 256
+    ctx = [rng.randint(own // 2, own) for _ in range(batch)]
+    q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * batch, ctx_lens=ctx, prefix_of=[0] * batch,
+                                               prefix_lens=[prefix], num_q_heads=32, num_kv_heads=8,
+                                               head_dim=128, dtype=dtype, device="cuda")
+    scale = 128 ** -0.5
+    kinds = []
+    real = gsa.gluon_system_attention_into
+    monkeypatch.setattr(gsa, "gluon_system_attention_into",
+                        lambda *a, **kw: (kinds.append(kw["ws"]), real(*a, **kw))[1])
+    out = torch.empty_like(q)
+    for _ in range(2):  # the first capture compiles what runs only under capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale))
+    assert kinds and set(kinds) == {want_ws}, kinds
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
+    assert rel_err(out, ref.relay_attention(qf, kf, vf, meta, pf, scale)) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_short_context_tile_with_its_register_cap_gives_the_same_bits(dtype):
     """Relay's decode context step over short own contexts (the capped 32-key tile) writes the
     same bits with and without the cap, and matches the float64 reference."""
@@ -475,10 +512,12 @@ def test_gpu_system_attention_large(dtype):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile", [(64, 64, 3), (64, 128, 2), (128, 128, 2)])
+@pytest.mark.parametrize("tile", [(64, 64, 3, False), (64, 128, 2, False), (128, 128, 2, False),
+                                  (128, 64, 3, True), (128, 128, 2, True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
-    """The Hopper Gluon kernel: random GQA shapes, ragged and empty chunks, scattered rows."""
+    """The Hopper Gluon kernels (ws: the warp-specialised one): random GQA shapes, ragged and
+    empty chunks, scattered rows, programs whose second warpgroup has no rows."""
     import kernels.gluon_system_attention as gluon
     from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
     probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
@@ -488,8 +527,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
     real = gluon.gluon_system_attention_into
     monkeypatch.setattr(gluon, "gluon_system_attention_into", lambda *a, **k: calls.append(1) or real(*a, **k))
     rng = random.Random()
-    block_m, block_n, stages = tile
-    for _ in range(3):
+    block_m, block_n, stages, ws = tile
+    for _ in range(4):
         hkv, group = rng.choice([1, 2, 8]), rng.choice([1, 3, 4])
         n, s = rng.randint(1, 300), rng.choice([1, 63, 64, 65, rng.randint(2, 5000)])
         splits = rng.choice([1, 3, 8, 64])
@@ -498,7 +537,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
         rows = torch.tensor(sorted(rng.sample(range(n), rng.randint(1, n))), device="cuda")
         o_part = torch.full((splits, n, hkv * group, head_dim), float("nan"), device="cuda")
         lse_part = torch.full((splits, n, hkv * group), float("nan"), device="cuda")
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=block_m // 16, num_stages=stages, gluon=True)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if ws else block_m // 16, num_stages=stages,
+                   gluon=True, ws=ws)
         system_attention_into(q, k, v, head_dim ** -0.5, o_part, lse_part, rows, splits, cfg)
         assert calls, "the call did not take the Gluon kernel"
         calls.clear()
@@ -636,11 +676,55 @@ def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
     assert split_plan(1000, 1, dev, 64, num_splits=3)[0] == 3  # a forced count is kept
 
 
+def test_overlapped_step_keeps_the_64_row_tile_where_the_system_kernel_runs_beside_the_context(monkeypatch):
+    """plan_system: an unforced warp-specialised tile (which holds a whole SM) gives way to
+    DECODE_TILE where the system kernel fits beside the context; where the system step
+    is the longer one it stays, planned for its own grid; a forced tile is kept."""
+    from types import SimpleNamespace
+
+    from kernels import triton_ops, triton_plan
+    from kernels.triton_plan import DECODE_TILE, WS_TILE
+    monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_ops, "system_config", lambda *args: dict(WS_TILE))
+
+    def plan(batch, system, context, config=None):
+        meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
+        groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, 8, 128), None)]
+        work = triton_ops.overlap_work(meta, groups, 32, 8, 128, 2)
+        return triton_ops.plan_system(groups, 32, 8, 128, 2, torch.device("cpu"), config, None, None, work)
+
+    assert plan(256, 2048, 1024) == (1, DECODE_TILE)  # llama3-8b heads, a full batch of a 2,048-token job
+    splits, tile = plan(256, 8192, 128)  # the system step is the longer: 64 programs of 128 rows, 2 splits
+    assert tile == WS_TILE and splits == 2
+    assert plan(256, 2048, 1024, dict(WS_TILE))[1] == WS_TILE  # forced
+
+
+def test_warp_specialised_system_tile_is_chosen_by_its_grid_on_hopper_only(monkeypatch):
+    """ws_pays: the unsplit grid of 128-row programs covers a quarter of the SMs; the tile
+    goes only to sm_90 (Gluon), and never to the interpreter or prefill-sized problems."""
+    from kernels import triton_plan
+    from kernels.triton_plan import DECODE_TILE, PREFILL_ROWS, WS_TILE, system_config, ws_pays
+    # H200, 132 SMs: batch 256 (64 programs, llama2-7b and llama3-8b heads) takes it,
+    # batch 64 (16 and 32 programs) does not
+    assert ws_pays(256 * 4, 8, 132) and ws_pays(256, 32, 132)
+    assert not ws_pays(64 * 4, 8, 132) and not ws_pays(64, 32, 132)
+    assert ws_pays(33 * 128, 1, 132) and not ws_pays(32 * 128, 1, 132)  # 33 of 132 programs: a quarter
+    assert system_config(1024, 128, torch.device("cpu"), 2, 8).get("ws") is None
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_plan, "smem_per_block", lambda device: 224 * 1024)
+    for capability, wanted in (((9, 0), WS_TILE), ((8, 0), DECODE_TILE), ((10, 0), DECODE_TILE)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert system_config(1024, 128, cuda, 2, 8) == wanted, capability
+        assert system_config(256, 128, cuda, 2, 8) == DECODE_TILE  # batch 64
+        assert system_config(PREFILL_ROWS, 128, cuda, 2, 8)["num_warps"] == 8  # the prefill tile
+
+
 def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_context_is_larger(monkeypatch):
     from types import SimpleNamespace
 
     from kernels import triton_plan
-    from kernels.triton_ops import overlap_work, plan_system_splits
+    from kernels.triton_ops import overlap_work, plan_system
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200
     tile = dict(BLOCK_M=64, BLOCK_N=64, per_sm=2)  # the decode tile: two programs an SM
 
@@ -648,8 +732,8 @@ def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_
         meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
         groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, hkv, 128), None)]
         work = overlap_work(meta, groups, hq, hkv, 128, 2)
-        plan = lambda resident, splits=None: plan_system_splits(groups, hq, hkv, 128, 2,  # noqa: E731
-                                                                torch.device("cpu"), tile, splits, resident, work)
+        plan = lambda resident, splits=None: plan_system(groups, hq, hkv, 128, 2,  # noqa: E731
+                                                         torch.device("cpu"), tile, splits, resident, work)[0]
         # the overlapped step puts the system kernel first only where it is matrix-bound
         plan.first = triton_plan.matrix_bound(*work[:2])
         return plan
