@@ -124,7 +124,7 @@ def ws_pays(rows: int, kv_heads: int, sms: int) -> bool:
     ceil(rows / 128) x kv_heads programs, covers at least a quarter of the SMs. H200,
     graph-replayed, L2 flushed (docs/kernels.md, sixteenth session): at 64 such programs
     (batch 256, llama2-7b and llama3-8b heads) 10-12% faster at 8,192 prefix tokens and
-    0-6% at 2,048; at 16 and 32 (batch 64) from 1% faster to 12% slower."""
+    1-6% at 2,048; at 16 and 32 (batch 64) from 1% faster to 14% slower."""
     return 4 * -(-rows // WS_TILE["BLOCK_M"]) * kv_heads >= sms
 
 
