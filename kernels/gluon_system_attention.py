@@ -14,6 +14,10 @@ which allows the schedule FlashAttention-3 calls intra-warpgroup pipelining:
 
 K and V tiles arrive by TMA into a ring of STAGES slots, each with its own mbarrier; a
 slot is refilled as soon as the wgmma that read it has completed.
+
+WS=True is the warp-specialised program for full batches (triton_plan.WS_TILE): two such
+consumer warpgroups of 64 rows share every K/V tile, and a producer warp issues the TMA.
+Both programs run one body, `_attend`.
 """
 
 from __future__ import annotations
@@ -178,40 +182,6 @@ def _attend(q_op, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_re
     gl.store(lse_ptr + split * stride_ls + row_out * stride_ln + h * G + r_o % G, lse_o, mask=omask)
 
 
-@gluon.jit(do_not_specialize=["n_queries", "keys_per_split"])
-def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
-                         n_queries, seq_len, keys_per_split, qk_scale,
-                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                         G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """grid (cdiv(n*G, BLOCK_M), Hkv, splits): every warp computes; they issue their own TMA."""
-    if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
-        gdc_launch_dependents()
-    pid_m = gl.program_id(0)
-    h = gl.program_id(1)
-    split = gl.program_id(2)
-    dtype: gl.constexpr = k_desc.dtype
-    # Q first: its layout conversion's scratch is then free again for the K/V ring (8-16 KiB
-    # less shared memory a program, which the context programs beside it can use)
-    q_op = _load_q(q_ptr, rows_ptr, pid_m * BLOCK_M, h, n_queries, stride_qn, stride_qh, G, D, BLOCK_M, BLOCK_N,
-                   HAS_ROWS, num_warps)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    lo = split * keys_per_split
-    hi = gl.minimum(lo + keys_per_split, seq_len)
-    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    _attend(q_op, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
-            pid_m * BLOCK_M, h, split, n_queries, lo, hi, num_tiles, h * D, qk_scale,
-            stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, BLOCK_M, BLOCK_N, STAGES, HAS_ROWS,
-            num_warps, True)
-
-
 # Warp-specialised variant (FlashAttention-3's layout): one program holds 2 x 64 query rows
 # in two consumer warpgroups that share every K/V tile, and a one-warp producer that only
 # issues TMA. K/V slots carry a "ready" barrier (the producer's TMA completes it) and an
@@ -248,49 +218,76 @@ def _ws_consumer(q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem
 
 
 @gluon.jit(do_not_specialize=["n_queries", "keys_per_split"])
-def _gluon_ws_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
-                            n_queries, seq_len, keys_per_split, qk_scale,
-                            stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                            G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr):
-    """grid (cdiv(n*G, 128), Hkv, splits); num_warps 4 (the first consumer), plus 4 + 1 worker warps."""
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    if TRIGGER:
+def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
+                         n_queries, seq_len, keys_per_split, qk_scale,
+                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                         G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr, WS: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """grid (cdiv(n*G, BLOCK_M), Hkv, splits).
+
+    WS False: every warp computes, and the warps issue their own TMA. WS True (BLOCK_M 128,
+    num_warps 4): the warp-specialised program, these 4 warps the first consumer, plus a
+    second consumer warpgroup and the producer warp as workers.
+    """
+    if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
         gdc_launch_dependents()
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
     dtype: gl.constexpr = k_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    lo = split * keys_per_split
-    hi = gl.minimum(lo + keys_per_split, seq_len)
-    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    col = h * D
-    row0 = pid_m * 128  # WS_BLOCK_M
-    # Tuples written out whole: constexprs keep their kind only as literal members.
-    gl.warp_specialize([
-        (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                        k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
-                        stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                        G, D, BLOCK_N, STAGES, HAS_ROWS)),
-        (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                        k_empty, v_empty, row0 + 64, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
-                        stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                        G, D, BLOCK_N, STAGES, HAS_ROWS)),
-        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
-                        STAGES, BLOCK_N)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if WS:
+        gl.static_assert(num_warps == 4 and BLOCK_M == 128, "two consumer warpgroups of 64 rows")
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        lo = split * keys_per_split
+        hi = gl.minimum(lo + keys_per_split, seq_len)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        col = h * D
+        row0 = pid_m * BLOCK_M
+        # Tuples written out whole: constexprs keep their kind only as literal members.
+        # Registers: 12 warps at the launch's 168 fill the register file; the producer keeps
+        # 24 and the consumers take 240 each.
+        gl.warp_specialize([
+            (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                            k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
+                            stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                            G, D, BLOCK_N, STAGES, HAS_ROWS)),
+            (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                            k_empty, v_empty, row0 + 64, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
+                            stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                            G, D, BLOCK_N, STAGES, HAS_ROWS)),
+            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
+                            STAGES, BLOCK_N)),
+        ], [4, 1], [240, 24])
+    else:
+        # Q first: its layout conversion's scratch is then free again for the K/V ring (8-16
+        # KiB less shared memory a program, which the context programs beside it can use)
+        q_op = _load_q(q_ptr, rows_ptr, pid_m * BLOCK_M, h, n_queries, stride_qn, stride_qh, G, D, BLOCK_M,
+                       BLOCK_N, HAS_ROWS, num_warps)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        lo = split * keys_per_split
+        hi = gl.minimum(lo + keys_per_split, seq_len)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        _attend(q_op, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
+                pid_m * BLOCK_M, h, split, n_queries, lo, hi, num_tiles, h * D, qk_scale,
+                stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, BLOCK_M, BLOCK_N, STAGES, HAS_ROWS,
+                num_warps, True)
 
 
 def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -327,12 +324,8 @@ def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: tor
     args = (q, k_desc, v_desc, rows if rows is not None else q, o_part, lse_part, n_q, seq_len, per, scale * LOG2E,
             q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1))
-    if ws:
-        # 12 warps at 168 registers fill the register file; the producer gives all but 24 of
-        # its own to the two consumers (240 each).
-        _gluon_ws_system_kernel[grid](*args, G=group, D=d, BLOCK_N=block_n, STAGES=stages,
-                                      HAS_ROWS=rows is not None, TRIGGER=trigger, CONSUMER_REGS=240,
-                                      num_warps=4, maxnreg=168)
-    else:
-        _gluon_system_kernel[grid](*args, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                                   HAS_ROWS=rows is not None, TRIGGER=trigger, num_warps=block_m // 16)
+    # the warp-specialised program's register split needs the launch capped at 168 (12 warps)
+    extra = dict(maxnreg=168) if ws else {}
+    _gluon_system_kernel[grid](*args, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                               HAS_ROWS=rows is not None, TRIGGER=trigger, WS=ws,
+                               num_warps=4 if ws else block_m // 16, **extra)
