@@ -32,7 +32,11 @@
 # llama3 shapes. The ws-jobs part (at most 9 minutes) checks greedy relay against --no-relay
 # on a full graphed batch over 4,096 prefix tokens (scripts/device_e2e.py --parts wide), times
 # whole llama3 jobs at S = 8,192 (default against no-ws), then runs the issue-6 llama3 relay job.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs ...]
+# The ws-bucket part (about 4 minutes; not yet run) times relay attention as a decode graph of
+# the 256-key context bucket plans it (llama3-8b heads, batch 256, own contexts of 32-256
+# keys, prefixes of 4,096-16,384) against the warp-specialised tile forced at its own split
+# plan: whether the plan should price a graph's context below its bucket.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +94,15 @@ for part in "${parts[@]}"; do
       timeout 200 python3 scripts/device_ab_context.py --system 8192 --repeats 2 --variants default,no-ws 2>&1 \
         | tee "$OUT/ws_ab_8192.log" | grep -E "^(run|median)"
       bench 130 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json" ;;
+    ws-bucket)
+      for system in 4096 8192 16384; do
+        for own in 32 128 256; do
+          for flag in "" --ws; do
+            timeout 40 python3 scripts/device_ncu.py --what relay --model llama3-8b --batch 256 --system $system \
+              --own $own --bucket 256 --time $flag 2>&1 | grep -E "^time"
+          done
+        done
+      done | tee "$OUT/ws_bucket.log" ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed
@@ -142,7 +155,7 @@ for part in "${parts[@]}"; do
       timeout 260 python3 scripts/device_ab_context.py --repeats 2 --variants default,no-pdl-ops 2>&1 \
         | tee "$OUT/pdl_ops_ab.log" | grep -E "^(run|median)"
       bench 120 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json" ;;
-    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl, pdl-ops, ws, ws-ab, ws-plan, ws-jobs)"; exit 2 ;;
+    *) echo "unknown part $part (tests, kernels, prefill, e2e, l2-2048, l2-8192, l3, pipeline, steps-ab, pdl, pdl-ops, ws, ws-ab, ws-plan, ws-jobs, ws-bucket)"; exit 2 ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && echo "$part: exit $rc" && status=1

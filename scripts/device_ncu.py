@@ -12,12 +12,13 @@ graphed decode step's attention).
 
 Usage: python scripts/device_ncu.py --what sys --model llama3-8b --batch 256 --system 2048
        [--own 300] [--splits N] [--stages 3] [--block-n 64] [--maxnreg R] [--system-side | --context-first]
-       [--pdl] [--time] [--repeat 5]
+       [--pdl] [--no-ws | --ws] [--bucket N] [--time] [--repeat 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels.triton_context_attention import context_splits, paged_attention, paged_config  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
-from kernels.triton_plan import DECODE_TILE, split_plan, system_config  # noqa: E402
+from kernels.triton_plan import DECODE_TILE, WS_TILE, split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 
@@ -44,6 +45,9 @@ def make_case(args):
     gen.seed()
     q, k_cache, v_cache, prefixes, meta = build_step(hq, hkv, d, args.batch, args.system, args.own, dev,
                                                      torch.bfloat16, gen)
+    if args.bucket:  # plan the step as a CUDA graph of this context bucket does (the rows keep their keys)
+        assert args.bucket >= args.own, "a bucket holds the step's longest own context"
+        meta = dataclasses.replace(meta, max_context_len=args.bucket, _cache={})
     k_sys, v_sys = prefixes[0]
     scale = d ** -0.5
     rows = meta.prefix_groups[0].query_indices
@@ -83,9 +87,13 @@ def make_case(args):
     if args.pdl:
         order["pdl"] = True
 
-    def relay_step():  # --splits, --system-side/--context-first, --maxnreg and --no-ws reach the relay call too
+    sys_tile = dict(DECODE_TILE) if args.no_ws else dict(WS_TILE) if args.ws else None
+    if args.ws:  # the warp-specialised tile at its own split plan, even where the plan would run it beside
+        order["resident"] = False
+
+    def relay_step():  # --splits, --system-side/--context-first, --maxnreg, --no-ws/--ws reach the relay call too
         relay_attention_with(q, k_cache, v_cache, meta, prefixes, scale, sys_splits=args.splits, ctx_config=ctx_cfg,
-                             sys_config=dict(DECODE_TILE) if args.no_ws else None, **order)
+                             sys_config=sys_tile, **order)
 
     return dict(sys=sys_step, ctx=ctx_step, merge=merge_step, relay=relay_step)[args.what]
 
@@ -119,6 +127,10 @@ def main() -> None:
     p.add_argument("--triton", action="store_true", help="the Triton system kernel instead of Gluon")
     p.add_argument("--no-ws", action="store_true",
                    help="the 64-row decode system tile, not the warp-specialised one where it pays")
+    p.add_argument("--ws", action="store_true",
+                   help="relay: the warp-specialised system tile at its own split plan (Hopper)")
+    p.add_argument("--bucket", type=int, default=None,
+                   help="relay/ctx: plan as a decode graph of this context bucket (>= --own) would")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")
     args = p.parse_args()
@@ -126,7 +138,8 @@ def main() -> None:
     if args.time:
         print(f"time {args.what} {args.model} B={args.batch} S={args.system} own={args.own} "
               f"splits={args.splits} stages={args.stages} block_n={args.block_n} maxnreg={args.maxnreg} "
-              f"system_side={args.system_side} context_first={args.context_first} pdl={args.pdl}: "
+              f"system_side={args.system_side} context_first={args.context_first} pdl={args.pdl} "
+              f"ws={args.ws} no_ws={args.no_ws} bucket={args.bucket}: "
               f"{graph_us(fn):.1f} us", flush=True)
         return
     for _ in range(args.repeat):
