@@ -30,6 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from kernels.triton_plan import is_sm90
+
 LOG2E = 1.4426950408889634
 WS_BLOCK_M = 128  # query rows of a warp-specialised program: two consumer warpgroups of 64
 
@@ -292,7 +294,7 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
 
 def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Hopper (sm_90, not ROCm), 16-bit inputs, head dim 64 or 128, a non-empty [S, Hkv*D] view TMA can address."""
-    if not (q.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not is_sm90(q.device):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and kv.is_contiguous()
             and kv.shape[0] > 0 and kv.data_ptr() % 16 == 0)

@@ -145,8 +145,7 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2,
         if rows >= PREFILL_ROWS:
             cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1, tma=True)
             return fit_smem(cfg, head_dim, elem, smem_per_block(device))
-        hopper = torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0)
-        cfg = dict(WS_TILE if hopper and ws_pays(rows, kv_heads, num_sms(device)) else DECODE_TILE)
+        cfg = dict(WS_TILE if is_sm90(device) and ws_pays(rows, kv_heads, num_sms(device)) else DECODE_TILE)
     else:  # the interpreter: small tiles keep the split and tail paths busy
         block_m = 64 if rows > 32 else 32 if rows > 16 else 16
         cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2)
@@ -162,6 +161,12 @@ def smem_per_block(device: torch.device) -> int:
 def is_hopper_or_newer(device: torch.device) -> bool:
     """An NVIDIA GPU of compute capability 9.0 or newer (TMA descriptors, griddepcontrol)."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def is_sm90(device: torch.device) -> bool:
+    """An NVIDIA Hopper GPU, compute capability 9.0 exactly: what the Gluon system kernels
+    (wgmma, Hopper TMA) are written for."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def tma_ok(t: torch.Tensor) -> bool:

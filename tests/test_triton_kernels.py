@@ -444,8 +444,8 @@ def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan
     Gluon kernel where the system step is the longer one, the 64-row one where it runs beside
     the context (triton_ops.plan_system), and both replay to the relay reference."""
     import kernels.gluon_system_attention as gsa
-    from kernels.triton_plan import is_hopper_or_newer
-    if not (is_hopper_or_newer(torch.device("cuda")) and torch.cuda.get_device_capability() == (9, 0)):
+    from kernels.triton_plan import is_sm90
+    if not is_sm90(torch.device("cuda")):
         pytest.skip("the warp-specialised system kernel is Gluon's, for sm_90")
     rng = random.Random()
     batch = 256
