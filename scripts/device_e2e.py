@@ -98,13 +98,20 @@ def dummy_prefix(lm, num_tokens: int, rng: random.Random) -> TokenPrefix:
     return prefix_from_ids(lm, [rng.randrange(lm.config.vocab_size) for _ in range(num_tokens)], "sys")
 
 
+def dummy_requests(lm, prefix: TokenPrefix, num_requests: int, max_tokens: int, rng: random.Random) -> list:
+    """Requests of 4-40 random own tokens after the prefix, each generating exactly max_tokens."""
+    return [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size)
+                                                        for _ in range(rng.randint(4, 40))],
+                         SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0)
+            for i in range(num_requests)]
+
+
 def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dtype: str) -> dict:
     rng = random.Random(0)
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     hf = hf_from_relay(lm)
     prefix = dummy_prefix(lm, 512, rng)
-    reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(4, 40))],
-                         SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0) for i in range(num_requests)]
+    reqs = dummy_requests(lm, prefix, num_requests, max_tokens, rng)
     outs = {}
     for relay, graphs in ((True, True), (False, True), ("eager", False)):
         eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=64, relay=bool(relay), cuda_graphs=graphs),
@@ -157,8 +164,7 @@ def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, 
     rng = random.Random(0)
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     prefix = dummy_prefix(lm, prefix_tokens, rng)
-    reqs = [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(4, 40))],
-                         SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0) for i in range(num_requests)]
+    reqs = dummy_requests(lm, prefix, num_requests, max_tokens, rng)
     outs = {}
     pays = triton_plan.ws_pays
     for name, relay in (("relay", True), ("relay_64_row_tile", True), ("no_relay", False)):
