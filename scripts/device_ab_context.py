@@ -15,7 +15,11 @@ program an SM where the context is the larger step) in part; `sys-32x3`, `sys-32
 the 64-row system tile where the warp-specialised one would run; `pdl` runs the
 step on one stream, the context kernel a programmatic dependent of the system kernel;
 `no-pdl-ops` launches the layer's small kernels plainly, as before the fifteenth session
-(kernels.pdl); `prefill-serial` reads a prefill back before the next step launches, as
+(kernels.pdl); `ctx-64` adds a 64-key context bucket below the 256-key one (the decode
+graphs of steps whose own contexts are that short plan their system step for 64 keys a
+row, not 256); `ws-always` keeps the warp-specialised system tile wherever system_config
+gives it, at its own split plan, instead of giving way to the 64-row tile where that fits
+beside the context; `prefill-serial` reads a prefill back before the next step launches, as
 the engine did before the eleventh session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
@@ -25,6 +29,7 @@ under $OUT.
 
     python scripts/device_ab_context.py [--model dummy:llama3-8b] [--system 2048] [--requests 500]
         [--max-batch 256] [--repeats 3] [--variants default,bt3,s5] [--no-relay]
+        [--workload sharegpt | fixed-IN-OUT]
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.roofline import ModelShape, measure_ceilings, price_decode  # noqa: E402
 from relaycli.bench.workloads import get_workload, make_requests  # noqa: E402
 from relaycli.compile import prefix_from_ids  # noqa: E402
-from relaycli.engine import model_runner  # noqa: E402
+from relaycli.engine import cuda_graph, model_runner  # noqa: E402
 from relaycli.engine.engine import Engine  # noqa: E402
 
 # what each variant changes in the decode-sized tiles (BLOCK_M 16) of paged_config, or
@@ -87,7 +92,11 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "pdl": dict(relay_kwargs=dict(pdl=True)),
             # the layer's small kernels (add + RMSNorm, RoPE, silu * up) launched plainly, as
             # before the fifteenth session, not as programmatic dependents (kernels.pdl)
-            "no-pdl-ops": dict(plain_layer_ops=True)}
+            "no-pdl-ops": dict(plain_layer_ops=True),
+            # a 64-key context bucket under the 256-key one (cuda_graph.MIN_CONTEXT_BUCKET)
+            "ctx-64": dict(min_context_bucket=64),
+            # the warp-specialised system tile kept wherever system_config gives it
+            "ws-always": dict(ws_always=True)}
 
 
 def resolve(name: str) -> dict:
@@ -114,6 +123,10 @@ def variant(change: dict):
     sys_tile = change.pop("sys_tile", None)
     no_ws = change.pop("no_ws", False)
     plain_layer_ops = change.pop("plain_layer_ops", False)
+    min_bucket_was = cuda_graph.MIN_CONTEXT_BUCKET
+    min_bucket = change.pop("min_context_bucket", min_bucket_was)
+    ws_always = change.pop("ws_always", False)
+    plan = triton_ops.plan_system
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
         triton_ops.relay_attention_with
     sys_config = triton_plan.system_config
@@ -134,6 +147,15 @@ def variant(change: dict):
             cfg = {k: v for k, v in cfg.items() if k != "maxnreg"}
         return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
+    cuda_graph.MIN_CONTEXT_BUCKET = min_bucket  # context_bucket and all_keys read it as they run
+    if ws_always:
+        def plan_ws(groups, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work):
+            rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * (num_heads // num_kv_heads)
+            tile = config or triton_ops.system_config(rows, head_dim, device, elem, num_kv_heads)
+            if "ws" in tile:  # planned as a forced tile is: for its own grid, one program an SM
+                config, resident = tile, False
+            return plan(groups, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work)
+        triton_ops.plan_system = plan_ws
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
     if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
@@ -157,6 +179,7 @@ def variant(change: dict):
         triton_ops.relay_attention_with = relay
         triton_ops.system_config = tsa.system_config = sys_config
         model_runner.layer_ops = ops_for
+        cuda_graph.MIN_CONTEXT_BUCKET, triton_ops.plan_system = min_bucket_was, plan
 
 
 def percent(fraction: float | None) -> str:
@@ -180,11 +203,12 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-relay", action="store_true", help="time the --no-relay baseline instead of relay")
+    ap.add_argument("--workload", default="sharegpt", help="sharegpt or fixed-IN-OUT (relaycli.bench.workloads)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     changes = {v: resolve(v) for v in variants}
     lm = load_model(args.model, args.dtype, args.device, seed=0)
-    spec = get_workload("sharegpt")
+    spec = get_workload(args.workload)
     shapes = make_requests(spec, args.requests, 0, None)
     need = args.system + max(r.input_len + r.output_len for r in shapes)
     lm.config.max_position_embeddings = max(lm.config.max_position_embeddings, need)

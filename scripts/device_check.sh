@@ -32,11 +32,13 @@
 # llama3 shapes. The ws-jobs part (at most 9 minutes) checks greedy relay against --no-relay
 # on a full graphed batch over 4,096 prefix tokens (scripts/device_e2e.py --parts wide), times
 # whole llama3 jobs at S = 8,192 (default against no-ws), then runs the issue-6 llama3 relay job.
-# The ws-bucket part (about 4 minutes; not yet run) times relay attention as a decode graph of
-# the 256-key context bucket plans it (llama3-8b heads, batch 256, own contexts of 32-256
-# keys, prefixes of 4,096-16,384) against the warp-specialised tile forced at its own split
-# plan: whether the plan should price a graph's context below its bucket.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket ...]
+# The ws-bucket part (about 3 minutes) times relay attention as a decode graph of the 256-key
+# context bucket plans it (llama3-8b heads, batch 256, own contexts of 32 and 128 keys,
+# prefixes of 4,096-16,384) against the warp-specialised tile forced at its own split plan:
+# whether the plan should price a graph's context below its bucket. short-ab (about 3
+# minutes) runs whole jobs of that kind (fixed-32-16, 1,000 requests, dummy llama3-8b) with
+# a 64-key context bucket (ctx-64) and with the warp-specialised tile always (ws-always).
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,13 +98,20 @@ for part in "${parts[@]}"; do
       bench 130 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json" ;;
     ws-bucket)
       for system in 4096 8192 16384; do
-        for own in 32 128 256; do
+        for own in 32 128; do
           for flag in "" --ws; do
             timeout 40 python3 scripts/device_ncu.py --what relay --model llama3-8b --batch 256 --system $system \
               --own $own --bucket 256 --time $flag 2>&1 | grep -E "^time"
           done
         done
       done | tee "$OUT/ws_bucket.log" ;;
+    short-ab)  # a job of short requests under a long prompt: the 64-key context bucket and the WS tile
+      for system in 8192 4096; do
+        variants=default,ctx-64,ws-always
+        [ "$system" = 4096 ] && variants=default,ctx-64
+        OUT="$OUT/short_ab_$system" timeout 280 python3 scripts/device_ab_context.py --workload fixed-32-16 \
+          --system $system --requests 1000 --repeats 2 --variants $variants 2>&1 | grep -E "^(run|median)"
+      done | tee "$OUT/short_ab.log" ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed

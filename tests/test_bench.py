@@ -41,6 +41,9 @@ def test_sharegpt_length_statistics():
 def test_fixed_workloads_and_output_clip():
     for name, (i, o) in (("fixed-128-256", (128, 256)), ("fixed-256-512", (256, 512))):
         assert set(make_requests(WORKLOADS[name], 10, seed=3)) == {RequestShape(i, o)}
+    # any fixed-IN-OUT, not only the listed ones
+    assert set(make_requests(get_workload("fixed-32-16"), 10, seed=3)) == {RequestShape(32, 16)}
+    assert get_workload("fixed-7-1").describe() == {"name": "fixed-7-1", "input_tokens": "7", "output_tokens": "1"}
     full = make_requests(get_workload("sharegpt"), 100, seed=1)
     clipped = make_requests(get_workload("sharegpt"), 100, seed=1, max_output_len=32)
     assert [r.input_len for r in clipped] == [r.input_len for r in full]
@@ -50,6 +53,9 @@ def test_fixed_workloads_and_output_clip():
 def test_workload_validation():
     with pytest.raises(ValueError, match="unknown workload"):
         get_workload("sharegtp")
+    for bad in ("fixed-0-16", "fixed-32", "fixed-32-16-8", "fixed--1-16", "fixed-a-b"):
+        with pytest.raises(ValueError, match="fixed-IN-OUT"):
+            get_workload(bad)
     with pytest.raises(ValueError):
         LengthDist(10, -1.0)
     with pytest.raises(ValueError):

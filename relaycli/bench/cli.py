@@ -172,7 +172,7 @@ def bench_main(ctx: typer.Context, json_path: Optional[Path] = _JSON, plot_path:
 @bench_app.command("e2e")
 def e2e_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="dummy:PRESET, HF dir, .gguf, default; default: dummy:tiny on CPU, dummy:llama2-7b on CUDA."),
-    workload: str = typer.Option("sharegpt", "--workload", help="sharegpt | fixed-128-256 | fixed-256-512."),
+    workload: str = typer.Option("sharegpt", "--workload", help="sharegpt | fixed-IN-OUT (e.g. fixed-128-256, fixed-32-16)."),
     requests: Optional[int] = typer.Option(None, "--requests", help="Requests a run (16 on CPU, 256 on CUDA)."),
     system_tokens: Optional[str] = _SYS,
     max_batch: Optional[str] = typer.Option(None, "--max-batch", help="Batch limits, comma-separated, e.g. 16,64,256."),
