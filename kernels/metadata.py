@@ -35,6 +35,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] int64, flat cache slot of each new token's k/v
     block_size: int
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
+    # own keys of the real rows, summed on the host: what a decode step's split and tile plan
+    # prices (kernels.triton_ops.context_tokens). None: num_seqs x max_context_len. A decode
+    # graph sets its key's representative total (relaycli.engine.cuda_graph).
+    context_tokens: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

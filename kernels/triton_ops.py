@@ -80,12 +80,14 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
     # the step's sizes, which the overlapped (or PDL) step's order and system split plan go by
-    work = overlap_work(meta, groups, hq, hkv, d, q.element_size()) if (overlap or pdl) and groups else None
+    sizes = group_sizes(groups)
+    work = overlap_work(sizes, context_tokens(meta), hq, hkv, d, q.element_size()) if (overlap or pdl) and groups \
+        else None
     if system_side is None:  # a byte-bound system step gains nothing from going first
         system_side = work is not None and matrix_bound(*work[:2])
     s_splits = 0
     if groups:
-        s_splits, sys_config = plan_system(groups, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
+        s_splits, sys_config = plan_system(sizes, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
                                            resident if work is not None and (system_side or pdl) else False, work)
     overlap = overlap and bool(groups) and not pdl
     if not groups and c_splits == 1:
@@ -136,12 +138,12 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 
-def plan_system(groups: list, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
+def plan_system(sizes: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
                 device: torch.device, config: dict | None, num_splits: int | None,
                 resident: bool | None, work: tuple[float, float, float] | None) -> tuple[int, dict]:
     """The system step's split count (num_splits, when given, wins) and tile.
 
-    groups: (PrefixGroup, k_sys, v_sys) of the step; config: the system tile (None:
+    sizes: (query rows, prefix tokens) of each prefix group (group_sizes); config: the system tile (None:
     system_config's, except below). resident: False plans for the tile's per_sm programs
     an SM (split_plan); None plans for at most one an SM where triton_plan.resident_splits
     finds that the system kernel then fits under the context step, else as False; True
@@ -153,9 +155,9 @@ def plan_system(groups: list, num_heads: int, num_kv_heads: int, head_dim: int, 
     system step is the longer one, 8,192 and 128, the warp-specialised tile won, 108.6
     against 115.2 us).
     """
-    rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * (num_heads // num_kv_heads)
+    rows = max(n for n, _ in sizes) * (num_heads // num_kv_heads)
     tile = config or system_config(rows, head_dim, device, elem, num_kv_heads)
-    longest = max(k.shape[0] for _, k, _ in groups)
+    longest = max(s for _, s in sizes)
 
     def programs(cfg: dict) -> int:
         return triton.cdiv(rows, cfg["BLOCK_M"]) * num_kv_heads
@@ -171,17 +173,40 @@ def plan_system(groups: list, num_heads: int, num_kv_heads: int, head_dim: int, 
                       per_sm=tile.get("per_sm", 1))[0], tile
 
 
-def overlap_work(meta: AttentionMetadata, groups: list, num_heads: int, num_kv_heads: int, head_dim: int,
-                 elem: int) -> tuple[float, float, float]:
-    """(system flops, system bytes, context bytes) of a step, from host-side sizes only.
+def group_sizes(groups: list) -> list[tuple[int, int]]:
+    """(query rows, prefix tokens) of each (PrefixGroup, k_sys, v_sys) of a step: what its plan goes by."""
+    return [(int(g.query_indices.shape[0]), int(k.shape[0])) for g, k, _ in groups]
 
-    The context is priced at meta.max_context_len for every sequence (a CUDA graph's
-    bucket: an upper bound), since the real lengths live on the device.
-    """
-    flops = sum(4.0 * g.query_indices.shape[0] * num_heads * k.shape[0] * head_dim for g, k, _ in groups)
-    sys_bytes = sum(2.0 * k.shape[0] * num_kv_heads * head_dim * elem for _, k, _ in groups)
-    ctx_bytes = 2.0 * meta.num_seqs * meta.max_context_len * num_kv_heads * head_dim * elem
+
+def context_tokens(meta: AttentionMetadata) -> int:
+    """The own keys a step's plan prices: meta.context_tokens where the host gave them (the
+    sum over the real rows), else num_seqs x max_context_len (for a CUDA graph without it,
+    its bucket's upper bound)."""
+    return meta.context_tokens if meta.context_tokens is not None else meta.num_seqs * meta.max_context_len
+
+
+def overlap_work(sizes: list[tuple[int, int]], num_context_tokens: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, elem: int) -> tuple[float, float, float]:
+    """(system flops, system bytes, context bytes) of a step, from host-side sizes only:
+    group_sizes and the own keys the step reads (context_tokens)."""
+    flops = sum(4.0 * n * num_heads * s * head_dim for n, s in sizes)
+    sys_bytes = sum(2.0 * s * num_kv_heads * head_dim * elem for _, s in sizes)
+    ctx_bytes = 2.0 * num_context_tokens * num_kv_heads * head_dim * elem
     return flops, sys_bytes, ctx_bytes
+
+
+def graphed_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
+                        device: torch.device, prefix_tokens: int, num_context_tokens: int) -> tuple[int, bool]:
+    """(system splits, warp-specialised tile?) that relay_attention_with plans for a decode
+    step captured in a CUDA graph: num_seqs rows (padding included) in one prefix group,
+    num_context_tokens own keys in all, the overlapped step with its default order and
+    residency. A decode graph keys on it, so that steps whose real contexts want another
+    plan get a graph of their own (a graph's bucket only bounds its longest row)."""
+    sizes = [(num_seqs, prefix_tokens)]
+    work = overlap_work(sizes, num_context_tokens, num_heads, num_kv_heads, head_dim, elem)
+    splits, tile = plan_system(sizes, num_heads, num_kv_heads, head_dim, elem, device, None, None,
+                               None if matrix_bound(*work[:2]) else False, work)
+    return splits, "ws" in tile
 
 
 def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:

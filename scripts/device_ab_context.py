@@ -19,7 +19,9 @@ step on one stream, the context kernel a programmatic dependent of the system ke
 graphs of steps whose own contexts are that short plan their system step for 64 keys a
 row, not 256); `ws-always` keeps the warp-specialised system tile wherever system_config
 gives it, at its own split plan, instead of giving way to the 64-row tile where that fits
-beside the context; `prefill-serial` reads a prefill back before the next step launches, as
+beside the context; `bucket-priced` plans the system step of a decode graph for its
+context bucket's bound, one graph a bucket, as before the seventeenth session (the default
+prices the step's real own keys, a graph for each plan); `prefill-serial` reads a prefill back before the next step launches, as
 the engine did before the eleventh session (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
@@ -96,7 +98,10 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             # a 64-key context bucket under the 256-key one (cuda_graph.MIN_CONTEXT_BUCKET)
             "ctx-64": dict(min_context_bucket=64),
             # the warp-specialised system tile kept wherever system_config gives it
-            "ws-always": dict(ws_always=True)}
+            "ws-always": dict(ws_always=True),
+            # the system plan priced at the context bucket's bound, one graph a bucket (before
+            # the seventeenth session), not at the step's real own keys
+            "bucket-priced": dict(bucket_priced=True)}
 
 
 def resolve(name: str) -> dict:
@@ -126,6 +131,8 @@ def variant(change: dict):
     min_bucket_was = cuda_graph.MIN_CONTEXT_BUCKET
     min_bucket = change.pop("min_context_bucket", min_bucket_was)
     ws_always = change.pop("ws_always", False)
+    bucket_priced = change.pop("bucket_priced", False)
+    graph_plan = cuda_graph.DecodeGraphs._plan
     plan = triton_ops.plan_system
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
         triton_ops.relay_attention_with
@@ -148,13 +155,15 @@ def variant(change: dict):
         return dict(cfg, **change) if applies else cfg
     tca.paged_config = tile
     cuda_graph.MIN_CONTEXT_BUCKET = min_bucket  # context_bucket and all_keys read it as they run
+    if bucket_priced:  # one plan a bucket, and graphs captured without a total: priced at the bound
+        cuda_graph.DecodeGraphs._plan = lambda graphs, bs, slot, tokens: None
     if ws_always:
-        def plan_ws(groups, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work):
-            rows = max(int(g.query_indices.shape[0]) for g, _, _ in groups) * (num_heads // num_kv_heads)
+        def plan_ws(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work):
+            rows = max(n for n, _ in sizes) * (num_heads // num_kv_heads)
             tile = config or triton_ops.system_config(rows, head_dim, device, elem, num_kv_heads)
             if "ws" in tile:  # planned as a forced tile is: for its own grid, one program an SM
                 config, resident = tile, False
-            return plan(groups, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work)
+            return plan(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work)
         triton_ops.plan_system = plan_ws
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
@@ -180,6 +189,7 @@ def variant(change: dict):
         triton_ops.system_config = tsa.system_config = sys_config
         model_runner.layer_ops = ops_for
         cuda_graph.MIN_CONTEXT_BUCKET, triton_ops.plan_system = min_bucket_was, plan
+        cuda_graph.DecodeGraphs._plan = graph_plan
 
 
 def percent(fraction: float | None) -> str:

@@ -38,7 +38,10 @@
 # whether the plan should price a graph's context below its bucket. short-ab (about 3
 # minutes) runs whole jobs of that kind (fixed-32-16, 1,000 requests, dummy llama3-8b) with
 # a 64-key context bucket (ctx-64) and with the warp-specialised tile always (ws-always).
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab ...]
+# The priced part (about 8 minutes) runs the GPU tests of captured and graphed relay steps,
+# the wide greedy check, and whole llama3 jobs of short requests under 8,192 prefix tokens
+# with the system plan priced by the real own keys (default) against the bucket's bound.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,6 +115,14 @@ for part in "${parts[@]}"; do
         OUT="$OUT/short_ab_$system" timeout 280 python3 scripts/device_ab_context.py --workload fixed-32-16 \
           --system $system --requests 1000 --repeats 2 --variants $variants 2>&1 | grep -E "^(run|median)"
       done | tee "$OUT/short_ab.log" ;;
+    priced)  # the decode graphs' system plan priced by the real own keys (seventeenth session)
+      timeout 190 python3 -m pytest -q tests/test_decode_graph_buffers.py tests/test_triton_kernels.py \
+        -k "gpu and (captured or graph or relay or plan or warp_specialised)" 2>&1 | tee "$OUT/priced_tests.log" | tail -3
+      timeout 200 python3 scripts/device_e2e.py --parts wide 2>&1 | tee "$OUT/e2e_wide.log" | grep -v "it/s" | tail -3
+      for workload in fixed-32-16 fixed-128-64; do
+        OUT="$OUT/priced_$workload" timeout 150 python3 scripts/device_ab_context.py --workload $workload \
+          --system 8192 --requests 1000 --repeats 2 --variants default,bucket-priced 2>&1 | grep -E "^(run|median)"
+      done | tee "$OUT/priced_ab.log" ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed

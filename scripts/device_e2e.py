@@ -165,7 +165,7 @@ def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, 
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     prefix = dummy_prefix(lm, prefix_tokens, rng)
     reqs = dummy_requests(lm, prefix, num_requests, max_tokens, rng)
-    outs = {}
+    outs, ws_graphs = {}, {}
     pays = triton_plan.ws_pays
     for name, relay in (("relay", True), ("relay_64_row_tile", True), ("no_relay", False)):
         if name == "relay_64_row_tile":
@@ -175,11 +175,15 @@ def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, 
                          record_token_ids=True)
             assert len(list(eng.generate_tokens(reqs))) == num_requests
             outs[name] = eng.token_ids_by_row
+            # decode graphs whose system plan is the warp-specialised tile (key: ..., (splits, ws))
+            graphs = eng.runner.graphs.graphs if eng.runner.graphs is not None else {}
+            ws_graphs[name] = sum(1 for key in graphs if key[3] is not None and key[3][1])
         finally:
             triton_plan.ws_pays = pays
         del eng
         gc.collect()
-    report = {"preset": preset, "dtype": dtype, "prefix": prefix_tokens, "requests": num_requests}
+    report = {"preset": preset, "dtype": dtype, "prefix": prefix_tokens, "requests": num_requests,
+              "warp_specialised_graphs": ws_graphs}
     for a, b in (("relay", "no_relay"), ("relay_64_row_tile", "no_relay"), ("relay", "relay_64_row_tile")):
         same = agree = total = 0
         for req in reqs:

@@ -33,10 +33,12 @@ def test_static_buffers_match_the_eager_decode_step():
         assert not is_prefill
         if step == 2:
             seqs = seqs[:3]  # a smaller batch after a larger one: stale rows must be reset
-        bs, ctx, slot = graphs.key(seqs)
+        key = graphs.key(seqs)
+        bs, ctx, slot, plan = key
         assert bs >= len(seqs) and ctx >= max(s.num_own_tokens for s in seqs) and slot == 0
+        assert plan is None  # only relay's Triton step plans its system kernel
         graphs._fill(seqs, bs, ctx, runner.decode_input_ids(seqs, None))
-        graphed = graphs._forward(bs, graphs._meta(bs, ctx, slot))[:len(seqs)]
+        graphed = graphs._forward(bs, graphs._meta(key))[:len(seqs)]
         input_ids, positions, meta, last_rows = runner.prepare(seqs, False)
         eager = lm.model.compute_logits(lm.model(input_ids, positions, runner.attention.attend_fn(meta))[last_rows])
         torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
@@ -83,7 +85,7 @@ def test_capture_all_covers_every_key_and_its_passes_touch_only_the_scratch_bloc
         graphs.block_tables.fill_(rng.randrange(runner.num_blocks))
         graphs.context_lens.fill_(rng.randint(1, 20))
         graphs._reset_rows(0, key[0], -(-key[1] // graphs.block_size))
-        graphs._forward(key[0], graphs._meta(*key))
+        graphs._forward(key[0], graphs._meta(key))
     for b, c in zip(before, runner.k_caches + runner.v_caches):
         assert torch.equal(b, c[:-1])
     assert not torch.equal(runner.k_caches[0][-1], torch.zeros_like(runner.k_caches[0][-1]))  # scratch was written
@@ -94,9 +96,9 @@ def test_batch_buckets_pad_little_where_the_matrix_products_are_bound_by_flops()
     padding rows cost as much as real ones) a step pays for at most 31 of them up to 256
     and 63 above."""
     from types import SimpleNamespace
-    this = SimpleNamespace(max_context=1 << 20)
+    this = SimpleNamespace(max_context=1 << 20, _plan=lambda bs, slot, tokens: None)
     for n in range(1, 513):
-        bs, _, _ = DecodeGraphs._bucket(this, n, 10, None)
+        bs, _, _, _ = DecodeGraphs._bucket(this, n, 10, None, 10 * n)
         assert bs >= n and all(b < n for b in BATCH_BUCKETS if b < bs)
         assert bs - n <= (bs // 2 if n <= 64 else 31 if n <= 256 else 63)
 
@@ -110,3 +112,46 @@ def test_batches_beyond_the_largest_bucket_run_eagerly():
     assert graphs.key([seq] * BATCH_BUCKETS[-1])[0] == BATCH_BUCKETS[-1]
     assert graphs.key([seq] * (BATCH_BUCKETS[-1] + 1)) is None
     assert max(k[0] for k in graphs.all_keys(600, 5, [None])) == BATCH_BUCKETS[-1]
+
+
+def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
+    """Relay's Triton step plans its system kernel by the step's own keys in all, not by
+    its context bucket's bound: steps of one bucket that want other plans get graphs of
+    their own, each captured at a total that plans the same, and all_keys lists them."""
+    from types import SimpleNamespace
+
+    from kernels import triton_ops, triton_plan
+    from kernels.triton_plan import DECODE_TILE, WS_TILE
+    monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200 (sm_90)
+    monkeypatch.setattr(triton_ops, "system_config", lambda rows, d, device, elem, kv_heads: dict(
+        WS_TILE if triton_plan.ws_pays(rows, kv_heads, 132) else DECODE_TILE))
+    cpu = torch.device("cpu")
+
+    def plan(bs, num_heads, slot, tokens):  # llama3-8b heads under an 8,192-token prompt
+        return triton_ops.graphed_decode_plan(bs, 32, 8, 128, 2, cpu, 8192, tokens)
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
+    engine = Engine(lm, [prefix_from_ids(lm, [1, 2, 3])], EngineConfig(max_num_seqs=256, kv_cache_gb=0.01))
+    graphs = DecodeGraphs(engine.runner, 256, scratch_block=engine.runner.num_blocks)
+    graphs.attention = SimpleNamespace(graphed_decode_plan=plan)
+
+    def seqs(lens):
+        return [SimpleNamespace(prefix_slot=0, num_own_tokens=n) for n in lens]
+    short, full = graphs.key(seqs([32] * 256)), graphs.key(seqs([200] * 256))
+    # one bucket, two plans: the warp-specialised tile where the system step is the longer
+    # (sixteenth session's device run: 81.5 against 111.6 us at 32 own keys a row)
+    assert short[:3] == full[:3] == (256, 256, 0)
+    assert short[3] == (2, True) and full[3] == (1, False)
+    keys = graphs.all_keys(256, 256, [0])
+    assert short in keys and full in keys and len(set(keys)) == len(keys)
+    rng = random.Random()
+    for _ in range(300):  # any step maps to a listed key
+        n = rng.randint(1, 256)
+        key = graphs.key(seqs([rng.randint(1, rng.choice([8, 64, 256])) for _ in range(n)]))
+        assert key in keys, key
+    for key in keys:  # a key's graph is captured at a total that plans as the key says
+        meta = graphs._meta(key)
+        assert plan(key[0], 32, 0, triton_ops.context_tokens(meta)) == key[3]
+    meta = graphs._meta(full)
+    assert triton_ops.context_tokens(meta) == meta.context_tokens <= 256 * 256
+    meta.context_tokens = None  # without a total, a step is priced at its bucket's bound
+    assert triton_ops.context_tokens(meta) == meta.num_seqs * meta.max_context_len

@@ -680,18 +680,15 @@ def test_overlapped_step_keeps_the_64_row_tile_where_the_system_kernel_runs_besi
     """plan_system: an unforced warp-specialised tile (which holds a whole SM) gives way to
     DECODE_TILE where the system kernel fits beside the context; where the system step
     is the longer one it stays, planned for its own grid; a forced tile is kept."""
-    from types import SimpleNamespace
-
     from kernels import triton_ops, triton_plan
     from kernels.triton_plan import DECODE_TILE, WS_TILE
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_ops, "system_config", lambda *args: dict(WS_TILE))
 
     def plan(batch, system, context, config=None):
-        meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
-        groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, 8, 128), None)]
-        work = triton_ops.overlap_work(meta, groups, 32, 8, 128, 2)
-        return triton_ops.plan_system(groups, 32, 8, 128, 2, torch.device("cpu"), config, None, None, work)
+        work = triton_ops.overlap_work([(batch, system)], batch * context, 32, 8, 128, 2)
+        return triton_ops.plan_system([(batch, system)], 32, 8, 128, 2, torch.device("cpu"), config, None, None,
+                                      work)
 
     assert plan(256, 2048, 1024) == (1, DECODE_TILE)  # llama3-8b heads, a full batch of a 2,048-token job
     splits, tile = plan(256, 8192, 128)  # the system step is the longer: 64 programs of 128 rows, 2 splits
@@ -721,18 +718,15 @@ def test_warp_specialised_system_tile_is_chosen_by_its_grid_on_hopper_only(monke
 
 
 def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_context_is_larger(monkeypatch):
-    from types import SimpleNamespace
-
     from kernels import triton_plan
     from kernels.triton_ops import overlap_work, plan_system
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200
     tile = dict(BLOCK_M=64, BLOCK_N=64, per_sm=2)  # the decode tile: two programs an SM
 
     def planner(batch, system, context, hq, hkv):
-        meta = SimpleNamespace(num_seqs=batch, max_context_len=context)
-        groups = [(SimpleNamespace(query_indices=torch.empty(batch)), torch.empty(system, hkv, 128), None)]
-        work = overlap_work(meta, groups, hq, hkv, 128, 2)
-        plan = lambda resident, splits=None: plan_system(groups, hq, hkv, 128, 2,  # noqa: E731
+        sizes = [(batch, system)]
+        work = overlap_work(sizes, batch * context, hq, hkv, 128, 2)
+        plan = lambda resident, splits=None: plan_system(sizes, hq, hkv, 128, 2,  # noqa: E731
                                                          torch.device("cpu"), tile, splits, resident, work)[0]
         # the overlapped step puts the system kernel first only where it is matrix-bound
         plan.first = triton_plan.matrix_bound(*work[:2])

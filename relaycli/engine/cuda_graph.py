@@ -10,7 +10,13 @@ lazily per (batch bucket, context bucket, prefix slot) on static input buffers:
 - context bucket: 256, 1024, 4096, ... above the longest own context; the kernels read
   each row's true length from context_lens, the bucket only sizes their split plan;
 - prefix slot: every sequence of a graphed step shares one loaded prefix (or none),
-  the common case of a job. Other steps run eagerly, computing the same function.
+  the common case of a job. Other steps run eagerly, computing the same function;
+- system plan: relay's split count and tile for the system kernel, which the step prices
+  by its real own keys (their sum, known on the host), not by the bucket's bound. The
+  same bucket holds steps of 40 and of 250 keys a row, and under a long prompt the two
+  want different tiles (H200, llama3-8b heads, batch 256, 8,192 prefix tokens, 32 own:
+  111.6 us planned for the bucket against 81.5 us with the warp-specialised tile). A
+  graph is captured with its key's representative total, which gives the same plan.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ from relaycli.engine.staging import stage
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIN_CONTEXT_BUCKET = 256
 CONTEXT_BUCKET_GROWTH = 4
-MAX_GRAPHS = 64  # past this many keys a step runs eagerly rather than capture again
+# Past this many keys a step runs eagerly rather than capture again. A job of batch limit
+# 256 and own contexts up to 4,096 keys has 42 bucket pairs, and relay's steps about 1.9
+# plans each on llama3-8b heads (all_keys: 68-78 keys under 2,048-16,384 prefix tokens).
+MAX_GRAPHS = 128
 
 
 class DecodeGraphs:
@@ -62,36 +71,60 @@ class DecodeGraphs:
         # (about 65 MB a key at 256 rows of a 128k vocabulary in bf16). Steps run in stream
         # order, so a step's sampling reads its logits before the next replay writes them.
         self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int, int | None], torch.cuda.CUDAGraph] = {}  # each writes self.logits
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # each writes self.logits
+        self.num_heads = runner.mc.num_attention_heads
+        # own keys in all that a key's graph is captured with (the first step that met it,
+        # or capture_all's sample); any total of the key plans the same
+        self.key_tokens: dict[tuple, int] = {}
         self.pool = None
         self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
         self.num_replays = 0
         self.num_captures = 0
         self.capture_seconds = 0.0  # warm-up forward, kernel compiles and captures of new keys
 
-    def key(self, seqs: list[Sequence]) -> tuple[int, int, int | None] | None:
-        """The graph that can run this step, or None (mixed prefixes, too large)."""
+    def key(self, seqs: list[Sequence]) -> tuple | None:
+        """The graph that can run this step, or None (mixed prefixes, too large):
+        (batch bucket, context bucket, prefix slot, system plan)."""
         slot = seqs[0].prefix_slot
         if any(s.prefix_slot != slot for s in seqs) or len(seqs) > self.max_bs:
             return None
-        key = self._bucket(len(seqs), max(s.num_own_tokens for s in seqs), slot)
+        tokens = sum(s.num_own_tokens for s in seqs)
+        key = self._bucket(len(seqs), max(s.num_own_tokens for s in seqs), slot, tokens)
         if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
+        self.key_tokens.setdefault(key, tokens)
         return key
 
-    def _bucket(self, num_seqs: int, longest: int, slot: int | None) -> tuple[int, int, int | None]:
+    def _bucket(self, num_seqs: int, longest: int, slot: int | None, tokens: int) -> tuple:
         bs = next(b for b in BATCH_BUCKETS if b >= num_seqs)
-        return bs, min(context_bucket(longest), self.max_context), slot
+        return bs, min(context_bucket(longest), self.max_context), slot, self._plan(bs, slot, tokens)
+
+    def _plan(self, bs: int, slot: int | None, tokens: int):
+        return self.attention.graphed_decode_plan(bs, self.num_heads, slot, tokens)
 
     def all_keys(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> list[tuple]:
         """Every key a step of at most max_num_seqs sequences, none longer than
-        max_context own tokens, with one of these prefix slots, can have."""
-        top_bs, top_ctx, _ = self._bucket(min(max_num_seqs, self.max_bs), max(max_context, 1), None)
+        max_context own tokens, with one of these prefix slots, can have. A key's plans
+        are sampled at own-key totals a factor 2 apart, from every row full down to one
+        key in all: the plan changes where the system kernel's splits double, so each of
+        its plans spans such a factor (a plan missed would be captured when first met)."""
+        top_bs, top_ctx, _, _ = self._bucket(min(max_num_seqs, self.max_bs), max(max_context, 1), None, 1)
         ctxs = [MIN_CONTEXT_BUCKET]
         while ctxs[-1] < top_ctx:
             ctxs.append(ctxs[-1] * CONTEXT_BUCKET_GROWTH)
-        return [(bs, min(ctx, self.max_context), slot) for slot in slots
-                for bs in BATCH_BUCKETS if bs <= top_bs for ctx in ctxs]
+        keys = []
+        for slot in slots:
+            for bs in (b for b in BATCH_BUCKETS if b <= top_bs):
+                for ctx in ctxs:
+                    ctx = min(ctx, self.max_context)
+                    tokens = bs * ctx
+                    while tokens >= 1:
+                        key = (bs, ctx, slot, self._plan(bs, slot, tokens))
+                        if key not in keys:
+                            keys.append(key)
+                            self.key_tokens.setdefault(key, tokens)
+                        tokens //= 2
+        return keys
 
     def capture_all(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> int:
         """Capture every key of all_keys before a job runs (as servers do at start-up), so
@@ -140,7 +173,10 @@ class DecodeGraphs:
         if bs > n:  # rows left from a larger earlier step must not touch real blocks
             self._reset_rows(n, bs, width)
 
-    def _meta(self, bs: int, ctx: int, slot: int | None) -> AttentionMetadata:
+    def _meta(self, key: tuple) -> AttentionMetadata:
+        """The metadata a key's graph is captured with: its buffers, its buckets, and the
+        own-key total its system plan is priced at."""
+        bs, ctx, slot, _ = key
         groups = []
         if slot is not None:
             prefix = self.prefixes[slot]
@@ -149,28 +185,30 @@ class DecodeGraphs:
             is_decode=True, cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=1,
             context_lens=self.context_lens[:bs], max_context_len=ctx,
             block_tables=self.block_tables[:bs, :-(-ctx // self.block_size)],
-            slot_mapping=self.slot_mapping[:bs], block_size=self.block_size, prefix_groups=groups)
+            slot_mapping=self.slot_mapping[:bs], block_size=self.block_size, prefix_groups=groups,
+            # a key without a plan serves every total of its bucket: priced at the bound
+            context_tokens=self.key_tokens.get(key) if key[3] is not None else None)
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.attention.attend_fn(meta), self.layer_ops)
         return model.compute_logits(hidden, out=self.logits[:bs])
 
-    def run(self, seqs: list[Sequence], key: tuple[int, int, int | None], input_ids: torch.Tensor) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], key: tuple, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [len(seqs), vocab] (the model's dtype) of one decode step, through the graph for key.
         input_ids [len(seqs)] int64 on the device."""
-        bs, ctx, slot = key
+        bs, ctx, _, _ = key
         self._fill(seqs, bs, ctx, input_ids)
         graph = self.graphs.get(key) or self._capture(key)
         graph.replay()
         self.num_replays += 1
         return self.logits[:len(seqs)]
 
-    def _capture(self, key: tuple[int, int, int | None]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple) -> torch.cuda.CUDAGraph:
         """Capture the step for key on the buffers as they are (filled, or reset)."""
         started = time.perf_counter()
-        bs, ctx, slot = key
-        meta = self._meta(bs, ctx, slot)
+        bs = key[0]
+        meta = self._meta(key)
         # Eager warm-up compiles the kernels; a first, discarded capture compiles the
         # variants that only run under capture (see kernels/triton_ops.py).
         self._forward(bs, meta)

@@ -117,6 +117,7 @@ class ModelRunner:
             block_tables=to_device(tables, torch.int32, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
             block_size=self.block_size,
+            context_tokens=sum(s.num_own_tokens for s in seqs),
             prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens,
                                        to_device(rows, torch.int64, dev), to_device(q_rows, torch.int64, dev))
                            for slot, (rows, q_rows) in sorted(groups.items())],
