@@ -41,7 +41,9 @@
 # The priced part (about 8 minutes) runs the GPU tests of captured and graphed relay steps,
 # the wide greedy check, and whole llama3 jobs of short requests under 8,192 prefix tokens
 # with the system plan priced by the real own keys (default) against the bucket's bound.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced ...]
+# priced-jobs (at most 9.6 minutes): the graphed-relay GPU tests, the same A/B on ShareGPT-like
+# jobs at 16,384 prefix tokens, and relay against --no-relay on fixed-32-16 jobs.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +125,16 @@ for part in "${parts[@]}"; do
         OUT="$OUT/priced_$workload" timeout 150 python3 scripts/device_ab_context.py --workload $workload \
           --system 8192 --requests 1000 --repeats 2 --variants default,bucket-priced 2>&1 | grep -E "^(run|median)"
       done | tee "$OUT/priced_ab.log" ;;
+    priced-jobs)  # the same in ShareGPT-like jobs at 16,384 prefix tokens, then relay against
+      # --no-relay on short requests (fixed-32-16) at three prompt lengths
+      timeout 150 python3 -m pytest -q tests/test_triton_kernels.py \
+        -k "gpu and (graphed_relay_step or captured or pdl_step)" 2>&1 | tee "$OUT/priced_jobs_tests.log" | tail -3
+      OUT="$OUT/priced_sharegpt_16384" timeout 230 python3 scripts/device_ab_context.py --system 16384 --repeats 2 \
+        --variants default,bucket-priced 2>&1 | tee "$OUT/priced_sharegpt_16384.log" | grep -E "^(run|median)"
+      timeout 195 python3 -c 'from relaycli.cli import entry; entry()' bench e2e --workload fixed-32-16 \
+        --requests 1000 --max-batch 256 --dtype bfloat16 --device cuda --seed 0 --model dummy:llama3-8b \
+        --system-tokens 2048,8192,16384 --systems relay,no-relay --json "$OUT/short_llama3.json" \
+        --plot "$OUT/short_llama3.png" 2>&1 | grep -v "it/s" | tail -30 ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed

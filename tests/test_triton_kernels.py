@@ -437,12 +437,16 @@ def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("prefix, own, want_ws", [(8192, 128, True), (2048, 1000, False)])
-def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan_says(dtype, prefix, own, want_ws,
-                                                                                       monkeypatch):
+@pytest.mark.parametrize("prefix, own, bucket, want_ws", [(8192, 128, None, True), (2048, 1000, None, False),
+                                                         (4096, 32, 256, True)])
+def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan_says(dtype, prefix, own, bucket,
+                                                                                       want_ws, monkeypatch):
     """A captured full-batch decode step (llama3-8b heads, batch 256) runs the warp-specialised
     Gluon kernel where the system step is the longer one, the 64-row one where it runs beside
-    the context (triton_ops.plan_system), and both replay to the relay reference."""
+    the context (triton_ops.plan_system), and both replay to the relay reference. bucket: the
+    step is planned as a decode graph of that context bucket plans it, priced by the real own
+    keys (meta.context_tokens); priced at the bucket's bound, 4,096 and 256 would take the
+    64-row tile."""
     import kernels.gluon_system_attention as gsa
     from kernels.triton_plan import is_sm90
     if not is_sm90(torch.device("cuda")):
@@ -453,6 +457,8 @@ def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan
     q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * batch, ctx_lens=ctx, prefix_of=[0] * batch,
                                                prefix_lens=[prefix], num_q_heads=32, num_kv_heads=8,
                                                head_dim=128, dtype=dtype, device="cuda")
+    if bucket is not None:
+        meta = dataclasses.replace(meta, max_context_len=bucket, context_tokens=sum(ctx), _cache={})
     scale = 128 ** -0.5
     kinds = []
     real = gsa.gluon_system_attention_into
