@@ -43,7 +43,9 @@
 # with the system plan priced by the real own keys (default) against the bucket's bound.
 # priced-jobs (at most 9.6 minutes): the graphed-relay GPU tests, the same A/B on ShareGPT-like
 # jobs at 16,384 prefix tokens, and relay against --no-relay on fixed-32-16 jobs.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs ...]
+# priced-final (at most 8.4 minutes): the A/B at 8,192, the issue-6 llama3 relay job, and the
+# fixed-32-16 comparison for llama2-7b.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +137,15 @@ for part in "${parts[@]}"; do
         --requests 1000 --max-batch 256 --dtype bfloat16 --device cuda --seed 0 --model dummy:llama3-8b \
         --system-tokens 2048,8192,16384 --systems relay,no-relay --json "$OUT/short_llama3.json" \
         --plot "$OUT/short_llama3.png" 2>&1 | grep -v "it/s" | tail -30 ;;
+    priced-final)  # ShareGPT-like jobs at 8,192 prefix tokens (default against bucket-priced), the
+      # issue-6 llama3 relay job, and relay against --no-relay on fixed-32-16 jobs of llama2-7b
+      OUT="$OUT/priced_sharegpt_8192" timeout 210 python3 scripts/device_ab_context.py --system 8192 --repeats 2 \
+        --variants default,bucket-priced 2>&1 | tee "$OUT/priced_sharegpt_8192.log" | grep -E "^(run|median)"
+      bench 140 --model dummy:llama3-8b --system-tokens 2048 --systems relay --json "$OUT/l3_relay_1000.json"
+      timeout 150 python3 -c 'from relaycli.cli import entry; entry()' bench e2e --workload fixed-32-16 \
+        --requests 1000 --max-batch 256 --dtype bfloat16 --device cuda --seed 0 --model dummy:llama2-7b \
+        --system-tokens 2048,8192,16384 --systems relay,no-relay --json "$OUT/short_llama2.json" \
+        --plot "$OUT/short_llama2.png" 2>&1 | grep -v "it/s" | tail -30 ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed
