@@ -2,7 +2,7 @@
 
 A decode step is many small launches (about 45 a layer), so eagerly the host, not the
 GPU, sets its pace. A graph replays all of them with one launch. Graphs are captured
-lazily per (batch bucket, context bucket, prefix slot) on static input buffers:
+lazily per (batch bucket, context bucket, prefix slot, system plan) on static input buffers:
 - batch bucket: the next size of BATCH_BUCKETS; padded rows write their k/v to a
   scratch block that no sequence owns, have no own context (the paged kernels read
   nothing for them, not even their prefix; relay's system kernel still computes them
