@@ -21,8 +21,9 @@ row, not 256); `ws-always` keeps the warp-specialised system tile wherever syste
 gives it, at its own split plan, instead of giving way to the 64-row tile where that fits
 beside the context; `bucket-priced` plans the system step of a decode graph for its
 context bucket's bound, one graph a bucket, as before the seventeenth session (the default
-prices the step's real own keys, a graph for each plan); `prefill-serial` reads a prefill back before the next step launches, as
-the engine did before the eleventh session (--no-relay times the baseline).
+prices the step's real own keys, a graph for each plan); `prefill-serial` reads a prefill
+back before the next step launches, as the engine did before the eleventh session
+(--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
 must generate the same greedy ids as the first (no variant changes the arithmetic).
 Prints each run, then per variant the median of requests/s, of the share of the floor
