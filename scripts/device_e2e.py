@@ -19,20 +19,23 @@ import gc
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
 
-from kernels import triton_plan
-from models.registry import load_model
-from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids
-from relaycli.bench.e2e import run_engine
-from relaycli.bench.hf_peer import hf_twin
-from relaycli.bench.workloads import RequestShape
-from relaycli.config import EngineConfig
-from relaycli.engine.engine import Engine, TokenRequest
-from relaycli.engine.sequence import SamplingOptions
-from relaycli.io.requests import RequestRow, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a bare checkout too
+
+from kernels import triton_plan  # noqa: E402
+from models.registry import load_model  # noqa: E402
+from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids  # noqa: E402
+from relaycli.bench.e2e import run_engine  # noqa: E402
+from relaycli.bench.hf_peer import hf_twin  # noqa: E402
+from relaycli.bench.workloads import RequestShape  # noqa: E402
+from relaycli.config import EngineConfig  # noqa: E402
+from relaycli.engine.engine import Engine, TokenRequest  # noqa: E402
+from relaycli.engine.sequence import SamplingOptions  # noqa: E402
+from relaycli.io.requests import RequestRow, SamplingParams  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "How do I reset my password?",
              "List three prime numbers.", "Explain photosynthesis briefly.", "What is 12 times 7?",
