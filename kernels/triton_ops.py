@@ -79,16 +79,12 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
-    # the step's sizes, which the overlapped (or PDL) step's order and system split plan go by
-    sizes = group_sizes(groups)
-    work = overlap_work(sizes, context_tokens(meta), hq, hkv, d, q.element_size()) if (overlap or pdl) and groups \
-        else None
-    if system_side is None:  # a byte-bound system step gains nothing from going first
-        system_side = work is not None and matrix_bound(*work[:2])
     s_splits = 0
     if groups:
-        s_splits, sys_config = plan_system(sizes, hq, hkv, d, q.element_size(), q.device, sys_config, sys_splits,
-                                           resident if work is not None and (system_side or pdl) else False, work)
+        system_side, s_splits, sys_config = plan_relay_step(
+            group_sizes(groups), context_tokens(meta), hq, hkv, d, q.element_size(), q.device,
+            overlapped=overlap or pdl, pdl=pdl, system_side=system_side, resident=resident, config=sys_config,
+            num_splits=sys_splits)
     overlap = overlap and bool(groups) and not pdl
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
@@ -136,6 +132,25 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         system_step()
         context_step()
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
+
+
+def plan_relay_step(sizes: list[tuple[int, int]], num_context_tokens: int, num_heads: int, num_kv_heads: int,
+                    head_dim: int, elem: int, device: torch.device, *, overlapped: bool, pdl: bool = False,
+                    system_side: bool | None = None, resident: bool | None = None, config: dict | None = None,
+                    num_splits: int | None = None) -> tuple[bool, int, dict]:
+    """(system kernel first?, system splits, system tile) of a relay step with prefix groups
+    `sizes` (group_sizes) and num_context_tokens own keys (context_tokens).
+
+    overlapped: the step runs its two kernels at once (the overlap, or the PDL pair), so their
+    order and the system split plan go by the step's sizes (overlap_work); other steps plan
+    for the tile alone. system_side, resident, config, num_splits: relay_attention_with's
+    (None: chosen here)."""
+    work = overlap_work(sizes, num_context_tokens, num_heads, num_kv_heads, head_dim, elem) if overlapped else None
+    if system_side is None:  # a byte-bound system step gains nothing from going first
+        system_side = work is not None and matrix_bound(*work[:2])
+    splits, tile = plan_system(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits,
+                               resident if work is not None and (system_side or pdl) else False, work)
+    return system_side, splits, tile
 
 
 def plan_system(sizes: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
@@ -202,10 +217,8 @@ def graphed_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_d
     num_context_tokens own keys in all, the overlapped step with its default order and
     residency. A decode graph keys on it, so that steps whose real contexts want another
     plan get a graph of their own (a graph's bucket only bounds its longest row)."""
-    sizes = [(num_seqs, prefix_tokens)]
-    work = overlap_work(sizes, num_context_tokens, num_heads, num_kv_heads, head_dim, elem)
-    splits, tile = plan_system(sizes, num_heads, num_kv_heads, head_dim, elem, device, None, None,
-                               None if matrix_bound(*work[:2]) else False, work)
+    _, splits, tile = plan_relay_step([(num_seqs, prefix_tokens)], num_context_tokens, num_heads, num_kv_heads,
+                                      head_dim, elem, device, overlapped=True)
     return splits, "ws" in tile
 
 
