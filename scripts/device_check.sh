@@ -32,10 +32,11 @@
 # llama3 shapes. The ws-jobs part (at most 9 minutes) checks greedy relay against --no-relay
 # on a full graphed batch over 4,096 prefix tokens (scripts/device_e2e.py --parts wide), times
 # whole llama3 jobs at S = 8,192 (default against no-ws), then runs the issue-6 llama3 relay job.
-# The ws-bucket part (about 3 minutes) times relay attention as a decode graph of the 256-key
-# context bucket plans it (llama3-8b heads, batch 256, own contexts of 32 and 128 keys,
-# prefixes of 4,096-16,384) against the warp-specialised tile forced at its own split plan:
-# whether the plan should price a graph's context below its bucket. short-ab (about 3
+# The ws-bucket part (about 3 minutes) times relay attention planned for the 256-key context
+# bucket's bound, as decode graphs planned it until the seventeenth session (llama3-8b heads,
+# batch 256, own contexts of 32 and 128 keys, prefixes of 4,096-16,384), against the
+# warp-specialised tile forced at its own split plan: whether the plan should price a graph's
+# context below its bucket. short-ab (about 3
 # minutes) runs whole jobs of that kind (fixed-32-16, 1,000 requests, dummy llama3-8b) with
 # a 64-key context bucket (ctx-64) and with the warp-specialised tile always (ws-always).
 # The priced part (about 8 minutes) runs the GPU tests of captured and graphed relay steps,

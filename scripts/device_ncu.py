@@ -45,7 +45,8 @@ def make_case(args):
     gen.seed()
     q, k_cache, v_cache, prefixes, meta = build_step(hq, hkv, d, args.batch, args.system, args.own, dev,
                                                      torch.bfloat16, gen)
-    if args.bucket:  # plan the step as a CUDA graph of this context bucket does (the rows keep their keys)
+    if args.bucket:  # plan the step for this context bucket's bound, as decode graphs did before the
+        # seventeenth session (they now price their rows' real keys); the rows keep their keys
         assert args.bucket >= args.own, "a bucket holds the step's longest own context"
         meta = dataclasses.replace(meta, max_context_len=args.bucket, _cache={})
     k_sys, v_sys = prefixes[0]
@@ -130,7 +131,7 @@ def main() -> None:
     p.add_argument("--ws", action="store_true",
                    help="relay: the warp-specialised system tile at its own split plan (Hopper)")
     p.add_argument("--bucket", type=int, default=None,
-                   help="relay/ctx: plan as a decode graph of this context bucket (>= --own) would")
+                   help="relay/ctx: plan for this context bucket's bound (>= --own), not the real own keys")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--time", action="store_true")
     args = p.parse_args()
