@@ -46,7 +46,11 @@
 # jobs at 16,384 prefix tokens, and relay against --no-relay on fixed-32-16 jobs.
 # priced-final (at most 8.4 minutes): the A/B at 8,192, the issue-6 llama3 relay job, and the
 # fixed-32-16 comparison for llama2-7b.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final ...]
+# ctx-bytes (about 1 minute, eighteenth session): the paged context kernel against a kernel
+# that only reads the same own K/V pages (scripts/device_ctx_bytes.py), and the GPU tests of
+# graphed and captured relay steps. l2-512 (about 3 minutes): the issue-6 llama2 job at
+# S = 2,048 with a batch limit of 512, relay and then --no-relay.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512 ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -147,6 +151,16 @@ for part in "${parts[@]}"; do
         --requests 1000 --max-batch 256 --dtype bfloat16 --device cuda --seed 0 --model dummy:llama2-7b \
         --system-tokens 2048,8192,16384 --systems relay,no-relay --json "$OUT/short_llama2.json" \
         --plot "$OUT/short_llama2.png" 2>&1 | grep -v "it/s" | tail -30 ;;
+    ctx-bytes)  # how close the paged own-key read gets to copy bandwidth (eighteenth session)
+      timeout 300 python3 scripts/device_ctx_bytes.py --own 304,128 --out "$OUT/ctx_bytes.log" 2>&1 | tail -40
+      timeout 240 python3 -m pytest -q tests/test_triton_kernels.py \
+        -k "gpu and (graphed_relay_step or captured or pdl_step)" 2>&1 | tee "$OUT/ctx_bytes_tests.log" | tail -3 ;;
+    l2-512)  # the issue-6 llama2 job with a batch limit of 512: does a larger batch bring 3x in reach?
+      for sys in relay no-relay; do
+        timeout 280 python3 -c 'from relaycli.cli import entry; entry()' bench e2e --model dummy:llama2-7b \
+          --workload sharegpt --requests 1000 --system-tokens 2048 --max-batch 512 --systems $sys \
+          --dtype bfloat16 --device cuda --seed 0 --json "$OUT/l2_b512_$sys.json" 2>&1 | grep -v "it/s" | tail -14
+      done ;;
     kernels)
       timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed
