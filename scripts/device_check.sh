@@ -68,6 +68,10 @@ bench() {  # one relay bench e2e run of the issue-6 workload; $1: its time limit
   [ $rc -ne 0 ] && status=1
   return $rc
 }
+relay_step_tests() {  # the GPU tests of graphed, captured and PDL relay steps; $1: time limit, $2: log
+  timeout "$1" python3 -m pytest -q tests/test_triton_kernels.py \
+    -k "gpu and (graphed_relay_step or captured or pdl_step)" 2>&1 | tee "$2" | tail -3
+}
 for part in "${parts[@]}"; do
   case "$part" in
     tests)  # CUDA-only tests plus the Triton files, which also run under the interpreter in CI
@@ -134,8 +138,7 @@ for part in "${parts[@]}"; do
       done | tee "$OUT/priced_ab.log" ;;
     priced-jobs)  # the same in ShareGPT-like jobs at 16,384 prefix tokens, then relay against
       # --no-relay on short requests (fixed-32-16) at three prompt lengths
-      timeout 150 python3 -m pytest -q tests/test_triton_kernels.py \
-        -k "gpu and (graphed_relay_step or captured or pdl_step)" 2>&1 | tee "$OUT/priced_jobs_tests.log" | tail -3
+      relay_step_tests 150 "$OUT/priced_jobs_tests.log"
       OUT="$OUT/priced_sharegpt_16384" timeout 230 python3 scripts/device_ab_context.py --system 16384 --repeats 2 \
         --variants default,bucket-priced 2>&1 | tee "$OUT/priced_sharegpt_16384.log" | grep -E "^(run|median)"
       timeout 195 python3 -c 'from relaycli.cli import entry; entry()' bench e2e --workload fixed-32-16 \
@@ -153,8 +156,7 @@ for part in "${parts[@]}"; do
         --plot "$OUT/short_llama2.png" 2>&1 | grep -v "it/s" | tail -30 ;;
     ctx-bytes)  # how close the paged own-key read gets to copy bandwidth (eighteenth session)
       timeout 300 python3 scripts/device_ctx_bytes.py --own 304,128 --out "$OUT/ctx_bytes.log" 2>&1 | tail -40
-      timeout 240 python3 -m pytest -q tests/test_triton_kernels.py \
-        -k "gpu and (graphed_relay_step or captured or pdl_step)" 2>&1 | tee "$OUT/ctx_bytes_tests.log" | tail -3 ;;
+      relay_step_tests 240 "$OUT/ctx_bytes_tests.log" ;;
     l2-512)  # the issue-6 llama2 job with a batch limit of 512: does a larger batch bring 3x in reach?
       for sys in relay no-relay; do
         timeout 280 python3 -c 'from relaycli.cli import entry; entry()' bench e2e --model dummy:llama2-7b \

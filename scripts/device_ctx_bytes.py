@@ -59,7 +59,7 @@ def _read_pages(kc, vc, bt, lens, out, stride_kb, stride_kt, stride_bt,
 
 def read_pages(k_cache, v_cache, meta, heads_per_program: int, block_n: int, num_warps: int, stages: int):
     """out [B, Hkv // heads_per_program] fp32; launches _read_pages over meta's rows."""
-    nb, page, hkv, d = k_cache.shape
+    _, page, hkv, d = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and hkv % heads_per_program == 0
     parts = hkv // heads_per_program
     b = meta.context_lens.shape[0]
@@ -99,14 +99,14 @@ def main() -> None:
                   "sequential": torch.arange(meta.block_tables.numel(), device=dev, dtype=torch.int32)
                   .view_as(meta.block_tables)}
         say(f"{args.model} B={args.batch} own={own}: {nbytes / 1e6:.1f} MB of own K/V a layer")
+        cfg = paged_config(hq // hkv, d, dev, keys=own, num_programs=args.batch * hkv)
+        out = torch.empty((1,) + tuple(q.shape), dtype=torch.float32, device=dev)
+        lse = torch.empty((1,) + tuple(q.shape[:2]), dtype=torch.float32, device=dev)
+        ones_k, ones_v = torch.ones_like(k_cache), torch.ones_like(v_cache)  # exact sums: a missed tile shows
         for tname, table in tables.items():
             m = dataclasses.replace(meta, block_tables=table, _cache={})
-            cfg = paged_config(hq // hkv, d, dev, keys=own, num_programs=args.batch * hkv)
-            out = torch.empty((1,) + tuple(q.shape), dtype=torch.float32, device=dev)
-            lse = torch.empty((1,) + tuple(q.shape[:2]), dtype=torch.float32, device=dev)
             t = graph_us(lambda: paged_attention(q, k_cache, v_cache, m, d ** -0.5, out=out, lse=lse, config=cfg))
             say(f"  {tname:10s} ctx kernel {cfg}: {t:6.1f} us  {nbytes / t / 1e6:.2f} TB/s")
-            ones_k, ones_v = torch.ones_like(k_cache), torch.ones_like(v_cache)  # exact sums: a missed tile shows
             for hpp, bn, warps, stages in ((1, 32, 2, 2), (1, 32, 2, 3), (1, 64, 4, 3), (1, 128, 4, 3),
                                            (8, 16, 8, 2), (8, 16, 8, 3), (8, 32, 8, 3)):
                 run, res = read_pages(ones_k, ones_v, m, hpp, bn, warps, stages)
@@ -114,7 +114,7 @@ def main() -> None:
                 ok = bool((res == 2.0 * own * hpp * d).all())
                 say(f"  {tname:10s} read/h{hpp}x{bn} {warps}w {stages}s: {t:6.1f} us  {nbytes / t / 1e6:.2f} TB/s"
                     f"{'' if ok else '  WRONG SUM (a tile was missed)'}")
-            del ones_k, ones_v
+        del ones_k, ones_v
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
