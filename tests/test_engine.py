@@ -163,3 +163,21 @@ def test_several_prompts_hits_and_misses(default_model, artifact, tmp_path):
              for i, (r, t) in enumerate(zip(rows[:4], [other_text, None, SYSTEM, None]))]
     ref, _ = _run(default_model, [], plain)
     assert [r.text for r in out[:4]] == [r.text for r in ref]
+
+
+def test_a_row_that_fails_to_render_is_its_own_error_row(default_model, artifact, monkeypatch):
+    # A template or tokenizer failure that is not a PromptError (jinja raises its own
+    # types) must stop at its row, not end the job.
+    engine = Engine(default_model, [artifact], EngineConfig())
+    real = engine.matcher.prepare
+
+    def prepare(messages, system_prompt):
+        if "boom" in messages[-1]["content"]:
+            raise RuntimeError("template exploded \udc80 here")
+        return real(messages, system_prompt)
+
+    monkeypatch.setattr(engine.matcher, "prepare", prepare)
+    out = sorted(engine.generate(_rows(["hi", "boom", "hello"], max_tokens=3)), key=lambda r: r.row_index)
+    assert [r.finish_reason == "error" for r in out] == [False, True, False]
+    assert "row 1: the chat could not be rendered" in out[1].error and "RuntimeError" in out[1].error
+    out[1].error.encode("utf-8")  # the message itself is writable text

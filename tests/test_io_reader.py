@@ -43,6 +43,25 @@ def test_jsonl_bom_crlf_and_no_final_newline(tmp_path):
     assert [raw["prompt"] for _, raw, _ in src] == ["a", "b"]
 
 
+def test_jsonl_bom_then_blank_first_line_is_no_row(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf\n{"prompt": "a"}\n')
+    src = open_requests(path)
+    assert src.num_rows == 1
+    assert list(src) == [(0, {"prompt": "a"}, None)]
+
+
+def test_jsonl_cr_only_line_endings_are_lines(tmp_path):
+    # Old Mac line endings: three requests, not one unparsable row; line numbers count CRs.
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\r{"prompt": "b"}\r\rnot json\r')
+    src = open_requests(path)
+    assert src.num_rows == 3
+    rows = list(src)
+    assert [raw["prompt"] for _, raw, _ in rows[:2]] == ["a", "b"]
+    assert rows[2][1] is None and rows[2][2].startswith("row 2 (line 4): not valid JSON")
+
+
 def test_jsonl_invalid_utf8_is_a_row_error(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_bytes(b'{"prompt": "\xff\xfe"}\n{"prompt": "ok"}\n')

@@ -159,9 +159,39 @@ def test_openai_body_overrides_top_level_and_url_inferred():
     ({"custom_id": "c", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
      ["use url /v1/chat/completions"]),
     ({"custom_id": 3.5, "body": {"prompt": "x"}}, ["'custom_id' must be a non-empty string"]),
+    ({"prompt": "x", "max_tokens": "64"}, ["'max_tokens' must be an integer", "leave the field out"]),
+    # JSON's "\ud800" escape is a lone surrogate: no tokenizer or writer takes it.
+    ({"prompt": "a\ud800b"}, ["'prompt' holds a lone surrogate", "fix that escape"]),
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, ["messages[0].content holds a lone surrogate"]),
+    ({"prompt": "x", "id": "a\ud800"}, ["'id' holds a lone surrogate"]),
+    ({"prompt": "x", "stop": ["\ud800"]}, ["'stop' holds a lone surrogate"]),
+    ({"prompt": "x", "system_prompt": "\ud800"}, ["'system_prompt' must be the name"]),
+    ({"custom_id": "c", "body": {"prompt": "x", "n": 2}}, ["'n' = 2 is not supported", "one answer per row"]),
+    ({"custom_id": "c", "body": {"prompt": "x", "n": True}}, ["'n' = True is not supported"]),
+    ({"prompt": "x", "presence_penalty": 0.5}, ["'presence_penalty' = 0.5 is not supported"]),
+    ({"prompt": "x", "logprobs": True}, ["'logprobs' = True is not supported"]),
+    ({"prompt": "x", "logit_bias": {"5": 100}}, ["'logit_bias'"]),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, ["'response_format'"]),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}]},
+     ["messages[1] is a system message"]),
 ])
 def test_bad_rows_become_error_rows(raw, needles):
     bad(raw, *needles)
+
+
+def test_neutral_values_of_unimplemented_fields_and_developer_role_accepted():
+    row = ok({"custom_id": "c", "body": {"messages": [{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"}],
+                                         "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": False,
+                                         "response_format": {"type": "text"}}})
+    assert row.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_error_row_with_a_surrogate_id_carries_the_row_number():
+    # The id cannot be written to any file, so the error row must not carry it.
+    assert bad({"id": "\ud800", "prompt": ""}).id == "7"
+    assert bad({"custom_id": "\ud800", "body": {"prompt": ""}}).id == "7"
+    bad({"id": "\ud800", "prompt": ""}).error.encode("utf-8")
 
 
 def test_error_row_keeps_usable_id_and_openai_url():

@@ -153,6 +153,10 @@ class Engine:
             prepared = self.matcher.prepare(row.messages, row.system_prompt)
         except PromptError as exc:
             return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer failure is this row's alone
+            detail = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode("utf-8")
+            return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: the chat could not be rendered "
+                                    f"and tokenized ({detail}); check its messages", row.url)
         if prepared.is_prefix_miss:
             self.stats.prefix_misses += 1
         elif prepared.prefix_slot is not None:

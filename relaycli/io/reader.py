@@ -57,8 +57,24 @@ class RequestSource(ABC):
         return self.num_rows
 
 
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a JSONL file, for counting and reading alike, so num_rows
+    always equals the rows read. A UTF-8 BOM before the first line is not part of it.
+    Lines end in LF or CRLF; a lone CR also ends a line (files saved with old Mac line
+    endings). JSON strings never hold a raw CR, so a split can only fall where a CR
+    stood as whitespace between tokens."""
+    line_no = 0
+    with open(path, "rb", buffering=1 << 20) as f:
+        for physical in f:
+            if line_no == 0:
+                physical = physical.removeprefix(_BOM)
+            physical = physical.removesuffix(b"\n").removesuffix(b"\r")
+            for line in physical.split(b"\r") if b"\r" in physical else (physical,):
+                line_no += 1
+                yield line_no, line
+
+
 def _is_blank(line: bytes) -> bool:
-    # One definition for counting and reading, so num_rows always equals the rows read.
     return not line.strip()
 
 
@@ -67,12 +83,11 @@ class JsonlSource(RequestSource):
 
     def __init__(self, path: Path) -> None:
         num_rows, first = 0, None
-        with open(path, "rb", buffering=1 << 20) as f:
-            for line in f:
-                if not _is_blank(line):
-                    num_rows += 1
-                    if first is None:
-                        first = line.removeprefix(_BOM).strip()
+        for _, line in _lines(path):
+            if not _is_blank(line):
+                num_rows += 1
+                if first is None:
+                    first = line.strip()
         if first in (b"[", b"{"):
             # A pretty-printed JSON document would otherwise turn into one error per line.
             raise InputError(f"{path} looks like pretty-printed JSON; relay reads JSON Lines: "
@@ -81,14 +96,11 @@ class JsonlSource(RequestSource):
 
     def __iter__(self) -> Iterator[RawRow]:
         row_index = 0
-        with open(self.path, "rb", buffering=1 << 20) as f:
-            for line_no, line in enumerate(f, start=1):
-                if _is_blank(line):
-                    continue
-                if line_no == 1:
-                    line = line.removeprefix(_BOM)
-                yield (row_index, *_parse_line(line, row_index, line_no))
-                row_index += 1
+        for line_no, line in _lines(self.path):
+            if _is_blank(line):
+                continue
+            yield (row_index, *_parse_line(line, row_index, line_no))
+            row_index += 1
 
 
 def _parse_line(line: bytes, row_index: int, line_no: int) -> tuple[dict | None, str | None]:

@@ -26,6 +26,21 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
+def _is_text(v: Any) -> bool:
+    """A str that UTF-8 can hold. JSON's "\\ud800" escape decodes to a lone surrogate, a
+    str that no tokenizer or file writer takes, so it must stop at its own row."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_SURROGATE_FIX = "holds a lone surrogate escape (such as \\ud800), which is not text; fix that escape in the input"
+
+
 def _show(v: Any) -> str:
     """A short repr for error lines: a 10 kB prompt must not flood the error column."""
     text = repr(v)
@@ -104,6 +119,8 @@ def check_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(role)}")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {_show(content)}")
+        if not _is_text(content):
+            raise ValueError(f"messages[{i}].content {_SURROGATE_FIX}")
         if not content.strip():
             raise ValueError(f"messages[{i}].content is empty; give the message some text")
         if role == "system" and i > 0:
@@ -179,7 +196,8 @@ def _opt(src: dict, key: str, integer: bool) -> Any:
     if integer and isinstance(v, float) and v.is_integer():
         v = int(v)  # pandas turns an int column with nulls into float64: 64.0 means 64
     if v is not None and not (_is_int(v) if integer else _is_number(v)):
-        raise _RowError(f"'{key}' must be {'an integer' if integer else 'a finite number'}, got {_show(v)}")
+        raise _RowError(f"'{key}' must be {'an integer' if integer else 'a finite number'}, got {_show(v)}; "
+                        "fix the value or leave the field out to use the default")
     return v
 
 
@@ -208,11 +226,15 @@ def _messages(src: dict) -> list[dict[str, str]]:
             raise _RowError(f"'prompt' must be a string, got {_show(prompt)}")
         if not prompt.strip():
             raise _RowError("'prompt' is empty; give it the user's message")
+        if not _is_text(prompt):
+            raise _RowError(f"'prompt' {_SURROGATE_FIX}")
         return [{"role": "user", "content": prompt}]
     raw = src["messages"]
     if isinstance(raw, list):
         # Keep role and content only; a Parquet struct brings null fields, which mean absent.
-        raw = [{"role": m.get("role"), "content": _content_text(m.get("content"), i)}
+        # OpenAI's "developer" role is its newer name for the system message.
+        raw = [{"role": "system" if m.get("role") == "developer" else m.get("role"),
+                "content": _content_text(m.get("content"), i)}
                if isinstance(m, dict) else m for i, m in enumerate(raw)]
     try:
         check_messages(raw)
@@ -231,7 +253,29 @@ def _stop(src: dict) -> list[str]:
         raise _RowError(f"'stop' must be a string or a list of strings, got {_show(v)}")
     if not all(v):
         raise _RowError("'stop' holds an empty string; remove it")
+    if not all(map(_is_text, v)):
+        raise _RowError(f"'stop' {_SURROGATE_FIX}")
     return v
+
+
+# Request fields relay does not implement, with the values that ask for nothing: any other
+# value would change the answer, so it is this row's error rather than silently ignored.
+_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0,
+            "logit_bias": {}, "tools": [], "functions": [], "response_format": {"type": "text"}}
+
+
+def _is_neutral(v: Any, neutral: Any) -> bool:
+    if isinstance(v, bool) or isinstance(neutral, bool):
+        return v is neutral  # true is not n = 1, and 0 is not logprobs = false
+    return v == neutral
+
+
+def _check_unsupported(src: dict) -> None:
+    for key, neutral in _NEUTRAL.items():
+        if key in src and not _is_neutral(src[key], neutral):
+            why = ("relay returns one answer per row; repeat the row with other seeds for more" if key == "n"
+                   else "relay does not implement it")
+            raise _RowError(f"'{key}' = {_show(src[key])} is not supported ({why}); remove the field")
 
 
 def _row_id(raw: dict, key: str, row_index: int) -> str:
@@ -242,6 +286,8 @@ def _row_id(raw: dict, key: str, row_index: int) -> str:
         return str(v)
     if not isinstance(v, str) or not v:
         raise _RowError(f"'{key}' must be a non-empty string, got {_show(v)}")
+    if not _is_text(v):
+        raise _RowError(f"'{key}' {_SURROGATE_FIX}")
     return v
 
 
@@ -250,7 +296,7 @@ def _fallback_id(raw: Any, row_index: int) -> str:
     if isinstance(raw, dict):
         for key in ("custom_id", "id"):
             v = raw.get(key)
-            if (isinstance(v, str) and v) or _is_int(v):
+            if (_is_text(v) and v) or _is_int(v):
                 return str(v)
     return str(row_index)
 
@@ -289,8 +335,9 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
     else:
         content_src, src, row_id = raw, raw, _row_id(raw, "id", row_index)
     messages = _messages(content_src)
+    _check_unsupported(src)
     system_prompt = src.get("system_prompt")
-    if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt):
+    if system_prompt is not None and (not _is_text(system_prompt) or not system_prompt):
         raise _RowError(f"'system_prompt' must be the name of a loaded prompt artifact, got {_show(system_prompt)}")
     if system_prompt is not None and messages[0]["role"] == "system":
         raise _RowError("has both 'system_prompt' and a system message; keep one of them")
