@@ -130,8 +130,9 @@ def run_cmd(
                                 attention_impl=attention_impl),
             stats_json=stats_json, flush_rows=flush_rows)
         summary = run_with_progress(opts, quiet)
-    if fail_on_error and summary.stats.errors:
-        err_console.print(f"[red]error:[/red] {summary.stats.errors} rows failed (--fail-on-error)")
+    if fail_on_error and summary.error_rows:
+        err_console.print(f"[red]error:[/red] {summary.error_rows} rows of {output_path} are error rows "
+                          "(--fail-on-error)", highlight=False)
         raise typer.Exit(1)
 
 

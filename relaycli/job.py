@@ -6,20 +6,22 @@ before any row is computed. Progress goes to an optional callback; nothing print
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from models.fingerprint import sha256_file
 from models.registry import LoadedModel, load_model
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.parts import write_json
-from relaycli.io.reader import open_requests, read_requests
+from relaycli.io.reader import InputError, open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
-from relaycli.io.writer import ResultWriter, check_writable
+from relaycli.io.writer import OutputError, ResultWriter, check_writable, same_file
 
 
 @dataclass
@@ -58,6 +60,7 @@ class JobSummary:
     load_seconds: float
     already_complete: bool = False
     output_path: str = ""
+    error_rows: int = 0  # error rows in the whole output, earlier runs' included
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -66,15 +69,40 @@ class JobSummary:
 
 
 def _is_openai_input(source) -> bool:
+    """Whether the file holds OpenAI Batch lines, judged by its first readable row, so that
+    one unreadable first line does not switch the whole output to relay's row format."""
     for _, raw, _ in source:
-        return isinstance(raw, dict) and "custom_id" in raw and "body" in raw
+        if isinstance(raw, dict):
+            return "custom_id" in raw and "body" in raw
     return False
+
+
+def _check_paths(opts: JobOptions) -> None:
+    """Files a job would destroy: refused before it opens anything."""
+    if same_file(opts.output_path, opts.input_path):
+        raise OutputError(f"--out {opts.output_path} is the input file; give the answers another file name")
+    if opts.stats_json is not None:
+        for other, what in ((opts.output_path, "--out"), (opts.input_path, "--in")):
+            if same_file(opts.stats_json, other):
+                raise OutputError(f"--stats-json {opts.stats_json} is the {what} file; give the stats another name")
+
+
+def _job_record(opts: JobOptions, loaded: LoadedModel, artifacts, run_dtype: str) -> dict:
+    """What the answers depend on, so a resumed run can prove it is the same job."""
+    try:
+        input_sha = sha256_file(opts.input_path)
+    except OSError as e:
+        raise InputError(f"input file {opts.input_path} cannot be read ({e.strerror})") from None
+    return {"input_sha256": input_sha, "model_fingerprint": loaded.fingerprint, "dtype": run_dtype,
+            "prompts": [[a.name, a.meta["checksum"], dtype_name(a.dtype)] for a in artifacts],
+            "defaults": dataclasses.asdict(opts.defaults)}
 
 
 def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None,
             on_result: Callable[[EngineStats], None] | None = None,
             loaded: LoadedModel | None = None) -> JobSummary:
     """on_start(total_rows, already_done); on_result(stats) after each answered row."""
+    _check_paths(opts)
     if opts.stats_json is not None:
         check_writable(Path(opts.stats_json), "--stats-json")
     source = open_requests(opts.input_path, opts.input_format)
@@ -96,19 +124,23 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
                         if a.meta["dtype"] != run_dtype else None}
                        for a in artifacts],
             load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
+        # The input's ids are read only to check a finished output row by row.
+        ids = (row.id for row in read_requests(source, opts.defaults)) if writer.already_complete else iter(())
+        writer.bind_job(_job_record(opts, loaded, artifacts, run_dtype), source.num_rows, ids)
         if writer.already_complete:
-            summary.already_complete = True
-            return summary
-        if on_start is not None:
-            on_start(source.num_rows, len(done))
-        rows = read_requests(source, opts.defaults, skip=done)
-        with frozen_heap():
-            engine.stats.started = time.perf_counter()  # after the entry's one collection
-            for result in engine.generate(rows):
-                writer.write(result)
-                if on_result is not None:
-                    on_result(engine.stats)
-        writer.finalize(source.num_rows)
+            summary.already_complete, summary.skipped_rows = True, source.num_rows
+        else:
+            if on_start is not None:
+                on_start(source.num_rows, len(done))
+            rows = read_requests(source, opts.defaults, skip=done)
+            with frozen_heap():
+                engine.stats.started = time.perf_counter()  # after the entry's one collection
+                for result in engine.generate(rows):
+                    writer.write(result)
+                    if on_result is not None:
+                        on_result(engine.stats)
+            writer.finalize(source.num_rows)
+        summary.error_rows = writer.error_rows
     finally:
         writer.close()
     if opts.stats_json is not None:

@@ -219,6 +219,30 @@ def test_duplicate_parts_keep_one_and_corrupt_part_dropped(tmp_path):
     assert [r["id"] for r in read_out(out)] == [f"id{i}" for i in range(6)]
 
 
+def test_part_with_bytes_that_are_not_utf8_is_dropped_on_resume(tmp_path):
+    # A bit flip inside a string column: Parquet reads the row index fine, the merge would not.
+    import pyarrow as pa
+    out = tmp_path / "o.jsonl"
+    w = ResultWriter(out, flush_rows=2)
+    for i in range(4):
+        w.write(result(i))
+    del w
+    victim = parts(out)[0]
+    table = pq.read_table(victim)
+    texts = table.column("text").combine_chunks()
+    data = bytearray(texts.buffers()[2].to_pybytes())
+    data[0] = 0xFF
+    broken = pa.Array.from_buffers(pa.string(), len(texts),
+                                   [texts.buffers()[0], texts.buffers()[1], pa.py_buffer(bytes(data))])
+    pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", broken), victim)
+    w = ResultWriter(out, resume=True)
+    assert w.dropped_parts == [victim] and w.done_row_indices() == {2, 3}
+    for i in (0, 1):
+        w.write(result(i))
+    w.finalize(4)
+    assert [r["text"] for r in read_out(out)] == [result(i).text for i in range(4)]
+
+
 def test_second_writer_on_the_same_output_is_refused(tmp_path):
     out = tmp_path / "o.parquet"
     w = ResultWriter(out)
@@ -255,11 +279,76 @@ def test_complete_output_means_nothing_to_do(tmp_path):
         w.finalize(3)
     before = out.read_bytes()
     w = ResultWriter(out, resume=True)
-    assert w.already_complete and w.done_row_indices() == {0, 1, 2}
-    with pytest.raises(OutputError, match="another job"):
+    assert w.already_complete
+    with pytest.raises(OutputError, match="holds 3 rows but the input has 4"):
         w.finalize(4)
     w.finalize(3)
     assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["o.parquet", "o.jsonl"])
+def test_resumed_complete_output_is_checked_row_by_row(tmp_path, name):
+    out = tmp_path / name
+    job = {"input_sha256": "a" * 64, "defaults": {"max_tokens": 8}}
+    with ResultWriter(out) as w:
+        w.bind_job(job, 20, iter(()))
+        for i in range(20):
+            w.write(result(i))
+        w.finalize(20)
+    ids = [f"id{i}" for i in range(20)]
+
+    w = ResultWriter(out, resume=True)
+    w.bind_job(job, 20, iter(ids))
+    assert w.already_complete and w.error_rows == 2  # rows 9 and 19
+    w.close()
+    with pytest.raises(OutputError, match="row 3 .* is not row 3 of the input"):
+        ResultWriter(out, resume=True).bind_job(job, 20, iter(ids[:3] + ["other"] + ids[4:]))
+    if name.endswith(".parquet"):  # the job record is kept in the Parquet metadata
+        with pytest.raises(OutputError, match="input_sha256 differ"):
+            ResultWriter(out, resume=True).bind_job({**job, "input_sha256": "b" * 64}, 20, iter(ids))
+    # A finished output that was cut short afterwards is not complete.
+    if name.endswith(".jsonl"):
+        out.write_text("".join(out.read_text().splitlines(keepends=True)[:12]))
+    else:
+        pq.write_table(pq.read_table(out).slice(0, 12), out)
+    with pytest.raises(OutputError, match="holds 12 rows but the input has 20: it was cut short"):
+        ResultWriter(out, resume=True).bind_job(job, 20, iter(ids))
+
+
+def test_resumed_parts_of_another_job_are_refused(tmp_path):
+    out = tmp_path / "o.parquet"
+    job = {"input_sha256": "a" * 64, "model_fingerprint": "m"}
+    w = ResultWriter(out, flush_rows=2)
+    w.bind_job(job, 10, iter(()))
+    for i in range(4):
+        w.write(result(i))
+    w.close()  # an interrupted job: two parts and the record
+    with pytest.raises(OutputError, match="another job .*input_sha256 differ"):
+        ResultWriter(out, resume=True).bind_job({**job, "input_sha256": "b" * 64}, 10, iter(()))
+    w = ResultWriter(out, resume=True)
+    w.bind_job(job, 10, iter(()))
+    assert w.done_row_indices() == {0, 1, 2, 3}
+    for i in range(4, 10):
+        w.write(result(i))
+    w.finalize(10)
+    assert w.error_rows == 1 and [r["id"] for r in read_out(out)] == [f"id{i}" for i in range(10)]
+
+
+def test_parts_without_a_job_record_are_refused_when_the_job_is_known(tmp_path):
+    out = tmp_path / "o.parquet"
+    w = ResultWriter(out, flush_rows=1)  # no bind_job: what an older relay left
+    w.write(result(0))
+    w.close()
+    with pytest.raises(OutputError, match="no job record"):
+        ResultWriter(out, resume=True).bind_job({"input_sha256": "a"}, 3, iter(()))
+
+
+def test_lock_file_is_removed_when_a_run_is_refused(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text("")
+    with pytest.raises(OutputError, match="already exists"):
+        ResultWriter(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
 
 
 def test_empty_job(tmp_path):

@@ -64,7 +64,65 @@ def test_jsonl_in_parquet_out_with_error_rows_and_stats(job, tmp_path):
     assert "prefix hits" in res.stderr  # the summary table
     failing = relay("run", "--in", job / "reqs.jsonl", "--out", tmp_path / "again.jsonl", "--prompt",
                     job / "sys.relaykv", "--fail-on-error", "--quiet", check=False)
-    assert failing.returncode == 1 and "2 rows failed" in failing.stderr
+    assert failing.returncode == 1 and "2 rows of" in failing.stderr and "error rows" in failing.stderr
+    # A finished output still counts its error rows when --resume finds nothing to do.
+    again = relay("run", "--in", job / "reqs.jsonl", "--out", out, "--prompt", job / "sys.relaykv", "--resume",
+                  "--fail-on-error", check=False)
+    assert again.returncode == 1 and "already complete (10 rows, 2 error rows)" in again.stderr
+    assert "2 rows of" in again.stderr
+
+
+def test_resume_refuses_an_output_cut_short_or_of_another_input(job, tmp_path):
+    src, out = tmp_path / "r.jsonl", tmp_path / "o.jsonl"
+    lines = [json.dumps({"id": f"k{i}", "prompt": q, "max_tokens": 3, "temperature": 0}) + "\n"
+             for i, q in enumerate(QUESTIONS[:4])]
+    src.write_text("".join(lines))
+    args = ["run", "--in", src, "--out", out, "--prompt", job / "sys.relaykv", "--quiet"]
+    relay(*args)
+    done = out.read_text()
+    out.write_text("".join(done.splitlines(keepends=True)[:2]))  # a copy that was cut short
+    res = relay(*args, "--resume", check=False)
+    assert res.returncode == 2 and "holds 2 rows but the input has 4: it was cut short" in res.stderr
+    out.write_text(done)
+    src.write_text("".join(lines[:2] + [lines[3], lines[2]]))  # another input, same length
+    res = relay(*args, "--resume", check=False)
+    assert res.returncode == 2 and "row 2 of" in res.stderr and "belongs to another job" in res.stderr
+    # Parts of an interrupted job are tied to its input's bytes.
+    out.unlink()
+    parts = Path(str(out) + ".parts")
+    parts.mkdir()
+    (parts / "job.json").write_text(json.dumps({"input_sha256": "0" * 64}))
+    res = relay(*args, "--resume", check=False)
+    assert res.returncode == 2 and "holds answers of another job" in res.stderr and "input_sha256" in res.stderr
+    assert not out.exists()
+
+
+def test_rows_with_lone_surrogates_are_error_rows_and_the_job_goes_on(job, tmp_path):
+    src, out = tmp_path / "r.jsonl", tmp_path / "o.jsonl"
+    # "\ud800" is valid JSON but not text: it must stop at its own row, not kill the job.
+    src.write_text('{"id": "fine", "prompt": "hi", "max_tokens": 3, "temperature": 0}\n'
+                   '{"id": "s1", "prompt": "a\\ud800b"}\n'
+                   '{"id": "\\udfff", "prompt": "hi"}\n')
+    relay("run", "--in", src, "--out", out, "--prompt", job / "sys.relaykv", "--quiet")
+    rows = _jsonl(out)
+    assert [r["id"] for r in rows] == ["fine", "s1", "2"]
+    assert rows[0]["finish_reason"] != "error"
+    assert "'prompt' holds a lone surrogate" in rows[1]["error"] and "'id' holds a lone surrogate" in rows[2]["error"]
+
+
+def test_paths_a_job_would_destroy_are_refused(job, tmp_path):
+    src = tmp_path / "r.jsonl"
+    src.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n")
+    before = src.read_bytes()
+    for extra in ([], ["--resume"]):
+        res = relay("run", "--in", src, "--out", src, *extra, check=False)
+        assert res.returncode == 2 and "is the input file" in res.stderr, res.stderr
+    out = tmp_path / "o.jsonl"
+    res = relay("run", "--in", src, "--out", out, "--stats-json", out, check=False)
+    assert res.returncode == 2 and "--stats-json" in res.stderr and "is the --out file" in res.stderr
+    res = relay("run", "--in", src, "--out", out, "--stats-json", src, check=False)
+    assert res.returncode == 2 and "is the --in file" in res.stderr
+    assert src.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
 
 
 def test_parquet_in_jsonl_out_and_no_relay_agree(job, tmp_path):
@@ -83,9 +141,10 @@ def test_openai_batch_in_and_out(job, tmp_path):
              for i, q in enumerate(QUESTIONS[:3])]
     lines.append({"custom_id": "c-bad", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}})
     src = tmp_path / "batch.jsonl"
-    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # An unreadable first line must not switch the whole output to relay's row format.
+    src.write_text("{cut off\n" + "".join(json.dumps(x) + "\n" for x in lines))
     relay("run", "--in", src, "--out", tmp_path / "out.jsonl", "--prompt", job / "sys.relaykv", "--quiet")
-    out = _jsonl(tmp_path / "out.jsonl")
+    out = _jsonl(tmp_path / "out.jsonl")[1:]
     assert [o["custom_id"] for o in out] == ["c0", "c1", "c2", "c-bad"]
     ok = out[0]["response"]
     assert ok["status_code"] == 200 and ok["body"]["choices"][0]["message"]["content"]
@@ -135,7 +194,7 @@ def test_resume_after_kill_9_loses_and_doubles_nothing(job, tmp_path):
         # Kill at a random moment once some rows are saved, so the kill lands mid-job.
         want = rng.randint(1, 3)
         while time.time() < deadline and proc.poll() is None:
-            if parts.is_dir() and len([p for p in parts.iterdir() if not p.name.startswith(".")]) >= want:
+            if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= want:
                 time.sleep(rng.uniform(0, 1.5))
                 break
             time.sleep(0.05)

@@ -6,6 +6,11 @@ A part therefore either exists whole or not at all, so after a crash the parts a
 exactly the finished rows (`--resume` skips them). `finalize` merges the parts in
 row order (a streaming k-way merge), checks each row appears exactly once, writes
 OUT atomically and removes the parts.
+
+A job is tied to its output by a job record (what the answers depend on: the input's
+bytes, the model, the artifacts, the defaults), kept as `job.json` in the parts folder
+and in a finished Parquet OUT's metadata, so that `--resume` refuses to mix the answers
+of two different jobs.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from relaycli.io.parts import (OUTPUT_COLUMNS, OUTPUT_SCHEMA, PART_SCHEMA, TMP, merge_parts,  # noqa: F401
-                               rows_table, write_atomically, write_parquet)
+                               rows_table, write_atomically, write_json, write_parquet)
 from relaycli.io.requests import OPENAI_URLS, ResultRow
 
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _FAN_IN = 64  # parts merged at once: bounds open files and the memory of the merge
+JOB_FILE = "job.json"  # the job record, in the parts folder
+JOB_META_KEY = b"relay.job"  # the job record, in a finished Parquet OUT's key-value metadata
 
 
 class OutputError(Exception):
@@ -49,6 +56,15 @@ def check_writable(path: Path, what: str = "output") -> None:
         os.unlink(probe)
     except OSError as e:
         raise OutputError(f"cannot write to the {what} folder {parent} ({e.strerror})") from None
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file: the same inode where both exist (symlinks, hard
+    links), else the same resolved path (a file that a run would create)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
 
 
 def output_format(path: str | Path, fmt: str | None = None) -> str:
@@ -82,15 +98,50 @@ def _openai_line(row: dict, model: str, created: int) -> dict:
     return line
 
 
-def _count_rows(path: Path, fmt: str) -> int:
-    """Rows of a finished OUT (written by finalize, so it is whole and well-formed)."""
+def _part_row_indices(path: Path) -> list[int] | None:
+    """The rows a saved part answers, or None when any of it cannot be read back: the merge
+    reads every column, so a part is only counted as done when all of it is sound."""
+    try:
+        table = pq.read_table(path)
+        if not table.schema.equals(PART_SCHEMA, check_metadata=False):
+            return None
+        table.validate(full=True)  # also checks that every string is UTF-8
+        return table.column("row_index").to_pylist()
+    except (pa.ArrowException, OSError):
+        return None
+
+
+def _complete_rows(path: Path, fmt: str) -> Iterator[tuple[str, bool]]:
+    """(id, is_error) of each row of a finished OUT; OutputError if it is not whole."""
     try:
         if fmt == "parquet":
-            return pq.ParquetFile(path).metadata.num_rows
+            with pq.ParquetFile(path) as pf:
+                for batch in pf.iter_batches(batch_size=4096, columns=["id", "finish_reason"]):
+                    for i, reason in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                        yield i, reason == "error"
+            return
         with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except (pa.ArrowException, OSError) as e:
-        raise OutputError(f"{path} exists but cannot be read ({e}); remove it to run the job again") from None
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if "custom_id" in row:  # an OpenAI Batch output line
+                    yield row["custom_id"], row.get("error") is not None
+                else:
+                    yield row["id"], row["finish_reason"] == "error"
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as e:
+        raise OutputError(f"{path} exists but is not a whole relay output ({type(e).__name__}); "
+                          "remove it and run the job again") from None
+
+
+def _job_record_of(path: Path, fmt: str) -> dict | None:
+    if fmt != "parquet":
+        return None  # a JSONL file has no place for it; its row ids are checked instead
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        return json.loads(meta[JOB_META_KEY]) if JOB_META_KEY in meta else None
+    except (pa.ArrowException, OSError, ValueError):
+        return None
 
 
 class ResultWriter:
@@ -107,7 +158,10 @@ class ResultWriter:
         self.flush_rows, self.flush_seconds, self.model_name = flush_rows, flush_seconds, model_name
         self.parts_dir = self.out_path.with_name(self.out_path.name + ".parts")
         self.dropped_parts: list[Path] = []  # unreadable parts removed on resume (their rows rerun)
-        self.complete_rows: int | None = None  # rows of an OUT a previous run already finished
+        self.is_complete = False  # resumed, and a previous run already finished OUT
+        self._complete_checked = False
+        self.error_rows = 0  # error rows of OUT, once it is finished or checked
+        self.job: dict | None = None
         self._buffer: list[ResultRow] = []
         self._done: set[int] = set()
         self._seq = 0
@@ -123,7 +177,7 @@ class ResultWriter:
             else:
                 self._recover()
         except BaseException:
-            self._unlock(remove=False)
+            self._unlock(remove=True)
             raise
 
     def _check_writable(self) -> None:
@@ -133,8 +187,7 @@ class ResultWriter:
         for leftover in self.out_path.parent.glob(f"{TMP}{self.out_path.name}"):
             leftover.unlink()  # an OUT that a crash stopped mid-write
         if self.out_path.exists():
-            self.complete_rows = _count_rows(self.out_path, self.fmt)
-            self._done = set(range(self.complete_rows))
+            self.is_complete = True
             return
         if not self.parts_dir.is_dir():
             return
@@ -142,9 +195,10 @@ class ResultWriter:
             if path.name.startswith(TMP):
                 path.unlink()  # never renamed into place, so never counted as done
                 continue
-            try:
-                indices = pq.read_table(path, columns=["row_index"]).column(0).to_pylist()
-            except (pa.ArrowException, OSError):
+            if path.suffix != ".parquet":
+                continue
+            indices = _part_row_indices(path)
+            if indices is None:
                 path.unlink()  # only disk corruption gets here; its rows are simply computed again
                 self.dropped_parts.append(path)
                 continue
@@ -153,10 +207,52 @@ class ResultWriter:
     @property
     def already_complete(self) -> bool:
         """A resumed job whose OUT exists: there is nothing left to do."""
-        return self.complete_rows is not None
+        return self.is_complete
 
     def done_row_indices(self) -> set[int]:
         return set(self._done)
+
+    def bind_job(self, job: dict, num_rows: int, row_ids: Iterator[str]) -> None:
+        """Tie the output to one job before any row is computed. A resumed run must be the
+        job that wrote what is there: same record, and for a finished OUT the same rows
+        (row_ids: the input's ids, in order; read only for a finished OUT)."""
+        job = json.loads(json.dumps(job, sort_keys=True))  # compared as it is stored
+        self.job = job
+        if self.is_complete:
+            self._check_complete(job, num_rows, row_ids)
+            return
+        record = self.parts_dir / JOB_FILE
+        if record.exists():
+            try:
+                stored = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                stored = {}
+            differ = sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
+            if differ:
+                raise OutputError(f"{self.parts_dir} holds answers of another job (its {', '.join(differ)} "
+                                  "differ from this run's); rerun that job as it was, or remove the folder")
+        elif self._done:
+            raise OutputError(f"{self.parts_dir} holds answers but no job record (an older relay wrote it); "
+                              "remove the folder and run the job again")
+
+    def _check_complete(self, job: dict | None, num_rows: int, row_ids: Iterator[str] | None) -> None:
+        """OUT must hold num_rows rows (row_ids, when given, in order) and, where it keeps a
+        job record, this job's; counts its error rows."""
+        stored = _job_record_of(self.out_path, self.fmt) if job is not None else None
+        if stored is not None and stored != job:
+            differ = sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
+            raise OutputError(f"{self.out_path} holds the answers of another job (its {', '.join(differ)} "
+                              "differ from this run's); remove it or choose another --out")
+        count, errors, wanted = 0, 0, None if row_ids is None else iter(row_ids)
+        for row_id, is_error in _complete_rows(self.out_path, self.fmt):
+            if count >= num_rows or (wanted is not None and next(wanted, None) != row_id):
+                raise OutputError(f"row {count} of {self.out_path} (id {row_id!r}) is not row {count} of the "
+                                  "input; it belongs to another job: remove it or choose another --out")
+            count, errors = count + 1, errors + is_error
+        if count != num_rows:
+            raise OutputError(f"{self.out_path} holds {count} rows but the input has {num_rows}: it was cut short "
+                              "or belongs to another job; remove it and run the job again")
+        self.error_rows, self._complete_checked = errors, True
 
     def write(self, result: ResultRow) -> None:
         if self._finalized:
@@ -178,6 +274,9 @@ class ResultWriter:
         rows = sorted((vars(r) for r in self._buffer), key=lambda r: r["row_index"])
         table = rows_table(rows)
         self.parts_dir.mkdir(exist_ok=True)
+        record = self.parts_dir / JOB_FILE
+        if self.job is not None and not record.exists():
+            write_json(record, self.job)  # before the first part, so no part is ever without it
         self._write_part(lambda f: pq.write_table(table, f))
         self._buffer.clear()
 
@@ -223,21 +322,29 @@ class ResultWriter:
 
     def finalize(self, num_rows: int) -> None:
         """Merge all parts into OUT in row order, atomically; every row exactly once or OutputError."""
-        if self.complete_rows is not None:
-            if self.complete_rows != num_rows:
-                raise OutputError(f"{self.out_path} already holds {self.complete_rows} rows but the input has "
-                                  f"{num_rows}; it belongs to another job: remove it")
+        if self.is_complete:
+            if not self._complete_checked:
+                self._check_complete(None, num_rows, None)
         else:
             self.flush()
-            rows = self._checked(merge_parts(self._reduce(self._parts())), num_rows)
+            rows = self._counted(self._checked(merge_parts(self._reduce(self._parts())), num_rows))
             write_atomically(self.out_path, lambda f: self._write_output(f, rows))
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         self._finalized = True
         self._unlock(remove=True)
 
+    def _counted(self, rows: Iterator[dict]) -> Iterator[dict]:
+        self.error_rows = 0
+        for row in rows:
+            self.error_rows += row["finish_reason"] == "error"
+            yield row
+
     def _write_output(self, f, rows: Iterator[dict]) -> None:
         if self.fmt == "parquet":
-            write_parquet(f, rows, OUTPUT_SCHEMA)
+            schema = OUTPUT_SCHEMA
+            if self.job is not None:
+                schema = schema.with_metadata({JOB_META_KEY: json.dumps(self.job, sort_keys=True).encode()})
+            write_parquet(f, rows, schema)
             return
         created = int(time.time())
         for row in rows:
@@ -263,7 +370,7 @@ class ResultWriter:
     def _unlock(self, remove: bool) -> None:
         if getattr(self, "_lock_fd", None) is None:
             return
-        if remove:  # the job is complete: leave no dot file beside OUT
+        if remove:  # leave no dot file beside OUT; safe while we hold it (see _lock)
             self._lock_path().unlink(missing_ok=True)
         os.close(self._lock_fd)  # closing drops the lock
         self._lock_fd = None
@@ -271,13 +378,23 @@ class ResultWriter:
     def _lock(self) -> int:
         """One writer per OUT: a second job on the same output would merge and delete parts
         under the first. An flock dies with its process, so kill -9 leaves no stale lock."""
-        fd = os.open(self._lock_path(), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        path = self._lock_path()
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputError(f"another relay job is writing {self.out_path}; wait for it to end or stop it") \
+                    from None
+            # The holder before us may have removed the file after we opened it: then we
+            # lock a name that no longer exists, and must lock the file now there instead.
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise OutputError(f"another relay job is writing {self.out_path}; wait for it to end or stop it") from None
-        return fd
 
     def __enter__(self) -> ResultWriter:
         return self
