@@ -5,6 +5,10 @@ after RoPE. All metadata is one JSON object under the safetensors metadata key "
 Format 1 holds one segment, the system prompt at positions 0..S-1; `segments` already
 lists it by name and position range so that a later format can hold several (Prompt
 Cache modules) without changing how format-1 files read.
+
+`checksum` covers the tensor bytes; `meta_checksum` covers the rest of the metadata (the
+canonical JSON of every other field), so that an edited system text or token list is
+caught as surely as a flipped KV byte.
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ from relaycli import __version__
 FORMAT_VERSION = 1
 META_KEY = "relay"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 class ArtifactError(ValueError):
     """A missing, corrupt or mismatched artifact; the message is one sentence with the fix."""
+
+
+class ChecksumError(ArtifactError):
+    """The file parses but its bytes are not the ones written: `relay inspect` still shows it."""
 
 
 @dataclass
@@ -66,11 +74,22 @@ def _tensor_order(num_layers: int) -> list[str]:
     return [f"layers.{i}.{kv}" for i in range(num_layers) for kv in ("k", "v")]
 
 
+def _meta_digest(meta: dict) -> str:
+    rest = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    return "sha256:" + hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tensor], meta: dict) -> int:
     """Write atomically (temp file in the same folder, fsync, rename). Returns bytes written.
 
-    meta: everything but format_version, relay_version, checksum and segments, which
-    are filled in here."""
+    meta: everything but format_version, relay_version, checksum, segments and
+    meta_checksum, which are filled in here."""
     path = Path(path)
     tensors = {}
     for i, (k, v) in enumerate(zip(keys, values)):
@@ -82,6 +101,9 @@ def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tenso
     full = dict(meta, format_version=FORMAT_VERSION, relay_version=__version__,
                 checksum="sha256:" + digest.hexdigest(),
                 segments=[{"name": "system", "start": 0, "end": len(meta["token_ids"])}])
+    # Digest what a reader will parse, not the caller's objects (tuples, non-str keys).
+    full = json.loads(json.dumps(full))
+    full["meta_checksum"] = _meta_digest(full)
     header: dict = {"__metadata__": {META_KEY: json.dumps(full, sort_keys=True)}}
     offset = 0
     for name in _tensor_order(len(keys)):
@@ -95,6 +117,7 @@ def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tenso
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it 0600; this is a normal output file
             f.write(struct.pack("<Q", len(head)))
             f.write(head)
             for name in _tensor_order(len(keys)):
@@ -108,57 +131,150 @@ def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tenso
     return path.stat().st_size
 
 
+_STR_FIELDS = ("model_reference", "model_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint",
+               "relay_version", "checksum", "system_text")
+_DIM_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _bad(path: Path, what: str) -> ArtifactError:
+    return ArtifactError(f"{path}: {what}; the file is damaged or not made by relay, recompile it")
+
+
+def _short(x) -> str:
+    text = json.dumps(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _wrong(path: Path, meta: dict, key: str, expected: str) -> ArtifactError:
+    if key not in meta:
+        return _bad(path, f"metadata field {key} is missing")
+    return _bad(path, f"metadata field {key} is {_short(meta[key])}, not {expected}")
+
+
+def _check_meta(path: Path, meta: dict) -> None:
+    """Every field that loading, check_artifact, inspect and the engine read, by type and shape.
+
+    Runs without the checksums too (inspect of a corrupt file), so nothing later can
+    raise KeyError or TypeError on a hand-edited or damaged file."""
+    for key in _STR_FIELDS:
+        if not isinstance(meta.get(key), str):
+            raise _wrong(path, meta, key, "a string")
+    for key in _DIM_FIELDS:
+        if not _is_int(meta.get(key)) or meta[key] < 1:
+            raise _wrong(path, meta, key, "a positive integer")
+    if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in _BY_NAME:
+        raise _wrong(path, meta, "dtype", "one of " + ", ".join(_BY_NAME))
+    if not isinstance(meta.get("rope"), dict):
+        raise _wrong(path, meta, "rope", "an object")
+    ids = meta.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+        raise _wrong(path, meta, "token_ids", "a non-empty list of token ids")
+    segments = [{"name": "system", "start": 0, "end": len(ids)}]
+    if meta.get("segments") != segments:
+        raise _wrong(path, meta, "segments", f"{json.dumps(segments)}, the one segment of format {FORMAT_VERSION}")
+    if "meta_checksum" in meta and not isinstance(meta["meta_checksum"], str):
+        raise _wrong(path, meta, "meta_checksum", "a string")
+
+
+def _check_header(path: Path, header: dict, meta: dict) -> int:
+    """The tensor entries against the metadata; returns the bytes of one tensor, whose
+    offsets are then known from the write order alone.
+
+    The offsets must follow the write order exactly: the tensor checksum covers the data
+    section as one run of bytes, so swapped offsets (K read as V) would still match it."""
+    layers = meta["num_layers"]
+    # Count first: a damaged num_layers of 10**9 must not build 2e9 names.
+    if len(header) != 2 * layers or sorted(header) != sorted(names := _tensor_order(layers)):
+        raise ArtifactError(f"{path}: tensor list does not match its metadata (metadata field num_layers is "
+                            f"{layers}, the header has {len(header)} tensors); recompile it")
+    shape = [len(meta["token_ids"]), meta["num_kv_heads"], meta["head_dim"]]
+    dtype = _BY_NAME[meta["dtype"]]
+    st_dtype = _ST_DTYPES[dtype]
+    nbytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
+    offset = 0
+    for name in names:
+        info = header[name]
+        if not isinstance(info, dict):
+            raise _bad(path, f"header entry {name} is {_short(info)}, not an object")
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in info:
+                raise _bad(path, f"header entry {name} has no {key}")
+        if info["dtype"] != st_dtype:
+            raise _bad(path, f"tensor {name} has dtype {_short(info['dtype'])}, the metadata says "
+                             f"{meta['dtype']} ({st_dtype})")
+        if info["shape"] != shape:
+            raise _bad(path, f"tensor {name} has shape {_short(info['shape'])}, the metadata says {shape} "
+                             "(num_tokens, num_kv_heads, head_dim)")
+        if info["data_offsets"] != [offset, offset + nbytes]:
+            raise _bad(path, f"tensor {name} has data_offsets {_short(info['data_offsets'])}, expected "
+                             f"{[offset, offset + nbytes]} ({nbytes} bytes, in layer order)")
+        offset += nbytes
+    return nbytes
+
+
 def read_artifact(path: Path, verify_checksum: bool = True) -> Artifact:
-    """Memory-map and parse; refuse anything truncated, corrupt or of another format."""
+    """Memory-map and parse; refuse anything truncated, corrupt or of another format.
+
+    The structure is checked with or without verify_checksum; the checksums, when
+    verified, vouch for the content."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no such artifact; make one with `relay compile-prompt`")
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size < 8:
-            raise ArtifactError(f"{path}: truncated ({size} bytes), not a .relaykv artifact; recompile it")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        with open(path, "rb") as f:
+            if size < 8:
+                raise ArtifactError(f"{path}: truncated ({size} bytes), not a .relaykv artifact; recompile it")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read it ({exc.strerror}); check its permissions") from None
     (head_len,) = struct.unpack("<Q", mm[:8])
     if head_len > size - 8:
         raise ArtifactError(f"{path}: truncated or not a .relaykv artifact (header runs past the end); recompile it")
     try:
         header = json.loads(bytes(mm[8:8 + head_len]))
-        meta = json.loads(header.pop("__metadata__")[META_KEY])
-    except (ValueError, KeyError, TypeError):
+        raw_meta = header.pop("__metadata__")[META_KEY]
+        meta = json.loads(raw_meta)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise ArtifactError(f"{path}: not a .relaykv artifact (no relay metadata); recompile it") from None
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: artifact format {version} is not the format this relay reads "
+    if not isinstance(meta, dict):
+        raise _bad(path, f"the relay metadata is {_short(meta)}, not a JSON object")
+    if "format_version" not in meta:
+        raise _bad(path, "metadata field format_version is missing")
+    version = meta["format_version"]
+    if version != FORMAT_VERSION or not _is_int(version):
+        raise ArtifactError(f"{path}: artifact format {_short(version)} is not the format this relay reads "
                             f"({FORMAT_VERSION}); recompile it with this relay version")
-    base = 8 + head_len
-    num_layers = int(meta.get("num_layers", 0))
-    names = _tensor_order(num_layers)
-    if sorted(header) != sorted(names):
-        raise ArtifactError(f"{path}: tensor list does not match its metadata; recompile it")
-    end = max((header[n]["data_offsets"][1] for n in names), default=0)
+    _check_meta(path, meta)
+    nbytes = _check_header(path, header, meta)
+    names = _tensor_order(meta["num_layers"])
+    base, end = 8 + head_len, nbytes * len(names)
     if base + end != size:
         raise ArtifactError(f"{path}: size {size} bytes, expected {base + end}: truncated or padded; recompile it")
-    tensors = {}
-    for name in names:
-        info = header[name]
-        lo, hi = info["data_offsets"]
-        dtype = _FROM_ST.get(info["dtype"])
-        if dtype is None:
-            raise ArtifactError(f"{path}: unsupported tensor dtype {info['dtype']}; recompile it")
-        count = (hi - lo) // torch.empty((), dtype=dtype).element_size()
-        if count:
-            with warnings.catch_warnings():  # read-only map: the tensors are never written
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + lo)
-        else:
-            flat = torch.empty(0, dtype=dtype)
-        tensors[name] = flat.view(info["shape"])
     if verify_checksum:
+        if "meta_checksum" not in meta:
+            raise ChecksumError(f"{path}: no metadata checksum (made by an older relay), its metadata cannot be "
+                                "verified; recompile it")
+        if _meta_digest(meta) != meta["meta_checksum"]:
+            raise ChecksumError(f"{path}: metadata checksum mismatch, the file is corrupt; recompile it")
         digest = hashlib.sha256(memoryview(mm)[base:base + end]).hexdigest()
-        if "sha256:" + digest != meta.get("checksum"):
-            raise ArtifactError(f"{path}: checksum mismatch, the file is corrupt; recompile it")
-    keys = [tensors[f"layers.{i}.k"] for i in range(num_layers)]
-    values = [tensors[f"layers.{i}.v"] for i in range(num_layers)]
+        if "sha256:" + digest != meta["checksum"]:
+            raise ChecksumError(f"{path}: checksum mismatch, the file is corrupt; recompile it")
+    dtype = _BY_NAME[meta["dtype"]]
+    shape = (len(meta["token_ids"]), meta["num_kv_heads"], meta["head_dim"])
+    count = shape[0] * shape[1] * shape[2]
+    tensors = {}
+    for i, name in enumerate(names):
+        with warnings.catch_warnings():  # read-only map: the tensors are never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + i * nbytes)
+        tensors[name] = flat.view(shape)
+    keys = [tensors[f"layers.{i}.k"] for i in range(meta["num_layers"])]
+    values = [tensors[f"layers.{i}.v"] for i in range(meta["num_layers"])]
     return Artifact(path, meta, keys, values)
 
 

@@ -48,7 +48,9 @@ def read_system_text(path: Path) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CompileError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    text = text.strip()
+    # The request reader drops a BOM too: kept here, the artifact's prefix would start with
+    # three tokens no request has, and no row would hit it.
+    text = text.removeprefix("\ufeff").strip()
     if not text:
         raise CompileError(f"{path}: the system prompt is empty; write the prompt into the file")
     return text

@@ -26,10 +26,15 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
                           device: str | None, quiet: bool) -> None:
     from models.registry import load_model
     from relaycli.compile import compile_prompt, read_system_text
-    from relaycli.io.writer import OutputError
+    from relaycli.io.writer import OutputError, same_file
 
-    text = read_system_text(sys_txt)
     out = out or Path(sys_txt).with_suffix(".relaykv")
+    if out.is_dir():
+        raise OutputError(f"the output path {out} is a folder; give a file name")
+    if same_file(sys_txt, out):
+        raise OutputError(f"the output path {out} is the system prompt file {sys_txt} itself; "
+                          "give another --out (the prompt text would be overwritten)")
+    text = read_system_text(sys_txt)
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
         raise OutputError(f"the output folder {folder} does not exist; create it first")
@@ -53,14 +58,12 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
 
 
 def inspect_artifact(path: Path, as_json: bool) -> dict:
-    from relaycli.artifact import ArtifactError, read_artifact
-    checksum_ok = True
+    from relaycli.artifact import ChecksumError, read_artifact
+    checksum_ok, problem = True, None
     try:
         art = read_artifact(path)
-    except ArtifactError as exc:
-        if "checksum" not in str(exc):
-            raise
-        checksum_ok = False
+    except ChecksumError as exc:  # still readable: show what it holds, flagged (exit 1)
+        checksum_ok, problem = False, str(exc)
         art = read_artifact(path, verify_checksum=False)
     meta = art.meta
     info = {
@@ -69,6 +72,7 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
         "tokens": art.num_tokens, "dtype": meta["dtype"], "layers": meta["num_layers"],
         "kv_heads": meta["num_kv_heads"], "head_dim": meta["head_dim"], "rope": meta["rope"],
         "size_bytes": Path(path).stat().st_size, "checksum": meta["checksum"], "checksum_ok": checksum_ok,
+        "meta_checksum": meta.get("meta_checksum"), "checksum_problem": problem,
         "segments": meta["segments"],
         "text_sha256": hashlib.sha256(meta["system_text"].encode()).hexdigest(),
         "text_start": meta["system_text"][:200],
@@ -80,6 +84,8 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
             table.add_row(key, str(info[key]))
         table.add_row("size", _human_bytes(info["size_bytes"]))
         table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ") + meta["checksum"][:23])
+        if problem:
+            table.add_row("problem", problem)
         table.add_row("text", info["text_start"][:120].replace("\n", " ") + ("…" if len(meta["system_text"]) > 120 else ""))
         Console().print(table)
     return info
@@ -119,7 +125,8 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
 
 def print_summary(s: JobSummary) -> None:
     if s.already_complete:
-        console.print(f"{s.output_path} is already complete ({s.input_rows} rows); nothing to do")
+        console.print(f"{s.output_path} is already complete ({s.input_rows} rows, {s.error_rows} error rows); "
+                      "nothing to do", highlight=False)
         return
     d = s.stats.as_dict()
     for art in s.artifacts:
@@ -129,7 +136,7 @@ def print_summary(s: JobSummary) -> None:
     table = Table(title=f"relay run: {s.output_path}", show_header=False)
     rows = [
         ("rows", f"{s.input_rows} ({s.skipped_rows} from an earlier run)" if s.skipped_rows else str(s.input_rows)),
-        ("errors", str(d["errors"])),
+        ("errors", f"{s.error_rows} ({d['errors']} in this run)" if s.skipped_rows else str(d["errors"])),
         ("prefix hits / misses", f"{d['prefix_hits']} / {d['prefix_misses']}"),
         ("prompt / cached / generated tokens", f"{d['prompt_tokens']} / {d['cached_tokens']} / {d['completion_tokens']}"),
         ("throughput", f"{d['generated_tokens_per_second']:.1f} generated tok/s, {d['rows_per_second']:.2f} rows/s"),
