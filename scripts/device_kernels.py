@@ -7,8 +7,11 @@ and 256, prefix 8192 (--prefixes), 128 own keys per request (decode, bf16, 16-to
 (a) the system-attention kernel alone, (b) whole relay attention, (c) the no-relay paged
 baseline, (d) per-request cuDNN SDPA on contiguous KV, and (e) the baseline at batch 64
 with 8192 own keys each against copy bandwidth. Every kernel is first checked against
-kernels/reference.py in fp32. Writes kernels.json and kernels.md to $OUT (else ./out)
-and prints the table last. --sweep also times alternative tile configs.
+kernels/reference.py in fp32. Every time is taken twice, with the L2 emptied before each
+run by reading a large buffer (clean: the % of floor) and by zeroing one as triton's
+do_bench does (dirty: the run also writes those lines back; relaycli/bench/timing.py).
+Writes kernels.json and kernels.md to $OUT (else ./out) and prints the table last.
+--sweep also times alternative tile configs.
 
 Usage: python scripts/device_kernels.py [--sweep] [--sys-only] [--prefixes 8192 2048]
 """
@@ -38,6 +41,7 @@ from kernels.triton_plan import split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
+from relaycli.bench.timing import cuda_median_us, l2_flusher  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, tma=True, gluon=g, ws=ws)
@@ -54,11 +58,23 @@ PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, 
                for n, w, s in [(32, 2, 3), (64, 4, 3), (64, 4, 4)]]
 rows: list[dict] = []
 checks: list[dict] = []
+FLUSHERS: dict = {}
+
+
+def flusher(name: str):
+    if name not in FLUSHERS:  # one 256 MB buffer per way of emptying the L2, made on first use
+        FLUSHERS[name] = l2_flusher(name)
+    return FLUSHERS[name]
 
 
 def bench_us(fn) -> float:
-    """GPU time of fn in microseconds: do_bench (L2 flushed before each run, median) over the
-    replay of a CUDA graph of fn, so Python and launch overhead stay out; eager if capture fails."""
+    """GPU time of fn in microseconds, the L2 emptied clean before each run (bench_both_us)."""
+    return bench_both_us(fn, both=False)[0]
+
+
+def bench_both_us(fn, both: bool = True) -> tuple[float, float | None]:
+    """GPU time of fn in microseconds, (L2 emptied clean, dirty): the median over replays of a
+    CUDA graph of fn, so Python and launch overhead stay out; eager if capture fails."""
     fn()
     torch.cuda.synchronize()
     try:  # a throwaway capture first: kernels chosen only under capture (TMA) compile here
@@ -74,7 +90,7 @@ def bench_us(fn) -> float:
     except Exception as exc:  # noqa: BLE001 - report, then time eagerly
         print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
         run = fn
-    t = do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
+    t = cuda_median_us(run, flusher("clean")), cuda_median_us(run, flusher("dirty")) if both else None
     del graph
     return t
 
@@ -105,14 +121,17 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     print(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def add(case, kernel, t_us, nbytes, flops, ceil, cudnn_us=None, config=None, eager=None):
+def add(case, kernel, times, nbytes, flops, ceil, cudnn=None, config=None, eager=None):
+    """times, cudnn: bench_us's (clean, dirty) pair; the clean time is the row's time."""
+    (t_us, t_dirty), cudnn_us = times, cudnn[0] if cudnn else None
     floor = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e6
     bound = "bytes" if nbytes / ceil["copy_bytes_per_s"] >= flops / ceil["bf16_flops_per_s"] else "flops"
-    rows.append(dict(case=case, kernel=kernel, time_us=t_us, bytes=nbytes, flops=flops, floor_us=floor,
-                     bound=bound, pct_floor=100 * floor / t_us, vs_cudnn=(cudnn_us / t_us) if cudnn_us else None,
+    rows.append(dict(case=case, kernel=kernel, time_us=t_us, time_us_dirty_l2=t_dirty, bytes=nbytes, flops=flops,
+                     floor_us=floor, bound=bound, pct_floor=100 * floor / t_us,
+                     pct_floor_dirty_l2=100 * floor / t_dirty, vs_cudnn=(cudnn_us / t_us) if cudnn_us else None,
                      config=config, eager_us=eager))
-    print(f"{case:28s} {kernel:34s} {t_us:9.1f} us  floor {floor:7.1f} ({bound})  {100 * floor / t_us:5.1f}%",
-          flush=True)
+    print(f"{case:28s} {kernel:34s} {t_us:9.1f} us (dirty L2 {t_dirty:7.1f})  floor {floor:7.1f} ({bound})  "
+          f"{100 * floor / t_us:5.1f}%", flush=True)
 
 
 def cudnn_time(q, k_full, v_full, scale):
@@ -129,7 +148,7 @@ def cudnn_time(q, k_full, v_full, scale):
             fn = lambda: F.scaled_dot_product_attention(qq, k_x, v_x, scale=scale)  # noqa
             out = fn()
             how = "expanded KV"
-        return bench_us(fn), eager_us(fn), out[:, :, 0], how
+        return bench_both_us(fn), eager_us(fn), out[:, :, 0], how
 
 
 def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_only=False):
@@ -168,12 +187,12 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
                 run_cfg, o_c, l_c = sys_runner(cfg)
                 run_cfg()
                 check(f"{case} system {cfg}", merge_partials(o_c, l_c, q.dtype)[0], want_so)
-                add(case, "(a) system kernel [sweep]", bench_us(run_cfg), kv_sys + qo, flops_sys, ceil, None, cfg)
+                add(case, "(a) system kernel [sweep]", bench_both_us(run_cfg), kv_sys + qo, flops_sys, ceil, None, cfg)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
                 print(f"config {cfg} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True))):
             fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
-            add(case, f"(b) relay {label}", bench_us(fn_relay), tot, flops_all, ceil, None, "default")
+            add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, None, "default")
         return
     check(f"{case} baseline", baseline(q, kc, vc, meta, pre, scale), want_o)
     k_full = torch.cat([k_sys.transpose(0, 1)[None].expand(batch, -1, -1, -1),
@@ -185,23 +204,23 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     del k_full, v_full
     torch.cuda.empty_cache()
     add(case, f"(d) cuDNN per-request ({how})", t_cudnn, tot, flops_all, ceil, t_cudnn, eager=e_cudnn)
-    add(case, "(a) system kernel", bench_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
+    add(case, "(a) system kernel", bench_both_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
     for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True)),
                       ("overlap, context first", dict(overlap=True, system_side=False, resident=False))):
         fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
-        add(case, f"(b) relay {label}", bench_us(fn_relay), tot, flops_all, ceil, t_cudnn, "default",
+        add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, t_cudnn, "default",
             eager_us(fn_relay))
     fn_base = lambda: baseline(q, kc, vc, meta, pre, scale)  # noqa: E731
-    add(case, "(c) baseline paged", bench_us(fn_base), tot, flops_all, ceil, t_cudnn, "default", eager_us(fn_base))
+    add(case, "(c) baseline paged", bench_both_us(fn_base), tot, flops_all, ceil, t_cudnn, "default", eager_us(fn_base))
     if sweep:
         for cfg in SYS_SWEEP:
-            add(case, "(a) system kernel [sweep]", bench_us(sys_runner(cfg)[0]), kv_sys + qo, flops_sys, ceil,
+            add(case, "(a) system kernel [sweep]", bench_both_us(sys_runner(cfg)[0]), kv_sys + qo, flops_sys, ceil,
                 None, cfg)
         for cfg in PAGED_SWEEP:
             out = torch.empty(1, batch, hq, d, device=dev, dtype=q.dtype)
-            t = bench_us(lambda: paged_attention(q, kc, vc, meta, scale, out=out, sys_part=(o_p, l_p), config=cfg))
+            t = bench_both_us(lambda: paged_attention(q, kc, vc, meta, scale, out=out, sys_part=(o_p, l_p), config=cfg))
             add(case, "context+fusion kernel [sweep]", t, kv_own + qo, 4 * batch * hq * C * d, ceil, None, cfg)
-            t = bench_us(lambda: baseline(q, kc, vc, meta, pre, scale, config=cfg))
+            t = bench_both_us(lambda: baseline(q, kc, vc, meta, pre, scale, config=cfg))
             add(case, "(c) baseline paged [sweep]", t, tot, flops_all, ceil, t_cudnn, cfg)
 
 
@@ -214,9 +233,9 @@ def bandwidth_case(name, hq, hkv, d, ceil, dev, sweep, batch=64, own=8192):
     nbytes = 2 * batch * own * hkv * d * 2 + 2 * batch * hq * d * 2
     flops = 4 * batch * hq * own * d
     fn_base = lambda: baseline(q, kc, vc, meta, [], scale)  # noqa: E731
-    add(case, "(e) baseline paged", bench_us(fn_base), nbytes, flops, ceil, None, "default", eager_us(fn_base))
+    add(case, "(e) baseline paged", bench_both_us(fn_base), nbytes, flops, ceil, None, "default", eager_us(fn_base))
     for cfg in PAGED_SWEEP if sweep else []:
-        add(case, "(e) baseline paged [sweep]", bench_us(lambda: baseline(q, kc, vc, meta, [], scale, config=cfg)),
+        add(case, "(e) baseline paged [sweep]", bench_both_us(lambda: baseline(q, kc, vc, meta, [], scale, config=cfg)),
             nbytes, flops, ceil, None, cfg)
 
 
@@ -224,17 +243,20 @@ def table(ceil, info) -> str:
     lines = [f"Device: {info['device']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}; "
              f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
              f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s (8192^3, random).", "",
-             "Time: CUDA-graph replay, median of triton do_bench with L2 flushed; eager: the same call",
-             "from Python, launch overhead included.", "",
-             "| case | kernel | time (us) | eager (us) | floor (us) | bound | % of floor | vs cuDNN |",
-             "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+             "Time: CUDA-graph replay, median of CUDA events, the L2 emptied before each run by reading",
+             "256 MB (clean); dirty: emptied by zeroing 256 MB as triton's do_bench does, so the run also",
+             "writes those lines back. Eager: the same call from Python, launch overhead included.", "",
+             "| case | kernel | time (us) | dirty L2 (us) | eager (us) | floor (us) | bound | % of floor "
+             "| % dirty | vs cuDNN |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         if "[sweep]" in r["kernel"]:
             continue
         vs = f"{r['vs_cudnn']:.1f}x" if r["vs_cudnn"] else ""
         eager = f"{r['eager_us']:.1f}" if r["eager_us"] else ""
-        lines.append(f"| {r['case']} | {r['kernel']} | {r['time_us']:.1f} | {eager} | {r['floor_us']:.1f} | "
-                     f"{r['bound']} | {r['pct_floor']:.0f}% | {vs} |")
+        lines.append(f"| {r['case']} | {r['kernel']} | {r['time_us']:.1f} | {r['time_us_dirty_l2']:.1f} | {eager} | "
+                     f"{r['floor_us']:.1f} | {r['bound']} | {r['pct_floor']:.0f}% | {r['pct_floor_dirty_l2']:.0f}% "
+                     f"| {vs} |")
     bad = [c["name"] for c in checks if not c["ok"]]
     lines += ["", f"Correctness: {len(checks) - len(bad)}/{len(checks)} checks within 1e-2 relative error"
               + (f"; FAILED: {', '.join(bad)}" if bad else ".")]
@@ -279,7 +301,8 @@ def main() -> None:
     (out_dir / "kernels.md").write_text(md + "\n")
     sweeps = [r for r in rows if "[sweep]" in r["kernel"]]
     for r in sweeps:
-        print(f"sweep {r['case']:26s} {r['kernel']:32s} {r['time_us']:8.1f} us {r['pct_floor']:5.1f}% {r['config']}")
+        print(f"sweep {r['case']:26s} {r['kernel']:32s} {r['time_us']:8.1f} us {r['pct_floor']:5.1f}% {r['config']}",
+              flush=True)
     print(md)
 
 

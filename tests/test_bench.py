@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from relaycli.bench.roofline import (Ceilings, ModelShape, attention_floor, decode_context_sum, decode_step_floor,
@@ -378,6 +379,8 @@ def test_bench_refuses_bad_options():
     assert res.exit_code == 2 and "vllm" in res.output
     res = CliRunner().invoke(app, ["bench", "kernels", "--json", "/nonexistent-dir/k.json", "--device", "cpu"])
     assert res.exit_code == 2 and "does not exist" in res.output
+    res = CliRunner().invoke(app, ["bench", "kernels", "--l2-flush", "warm", "--device", "cpu", "--quiet"])
+    assert res.exit_code == 2 and "--l2-flush must be one of clean, dirty" in res.output
 
 
 def test_merge_reports_joins_split_runs():
@@ -409,3 +412,21 @@ def test_sweep_summary_compares_relay_with_its_floor_from_shortest_to_longest_pr
     assert only["measured_change"] == pytest.approx(-0.3)
     assert only["predicted_change"] == pytest.approx(-0.2)
     assert only["points_over_prediction"] == pytest.approx(10.0)
+
+
+def test_l2_flush_names_are_checked_before_any_cuda_work():
+    from relaycli.bench.timing import cuda_median_us, l2_flusher
+    with pytest.raises(ValueError, match="flush must be one of clean, dirty"):
+        l2_flusher("hot")
+    with pytest.raises(ValueError, match="flush must be one of clean, dirty"):
+        cuda_median_us(lambda: None, "zero")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_timer_leaves_the_flush_out_of_the_timed_region():
+    from relaycli.bench.timing import cuda_median_us
+    x = torch.randn(1 << 24, device="cuda")
+    # Each flush reads 256 MB (about 60 us on an H200); a run that does almost nothing
+    # must time as almost nothing, whichever way the L2 is emptied.
+    for flush in ("clean", "dirty"):
+        assert 0 < cuda_median_us(lambda: x[:1].add_(1), flush) < 30

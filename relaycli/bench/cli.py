@@ -133,13 +133,14 @@ def _print_e2e(report: dict) -> None:
         _out().print(sweep)
 
 
-def _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet) -> dict:
+def _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet, l2_flush="clean") -> dict:
     from relaycli.bench.kernels import KernelOptions, run_kernels
     from relaycli.bench.report import kernels_table
     given = dict(model=model, system_tokens=_ints(system_tokens, "--system-tokens"),
                  batch=_ints(max_batch, "--max-batch"), own_tokens=context)
     opts = {**default_kernels(_is_cuda(device)), **{k: v for k, v in given.items() if v is not None}}
-    report = run_kernels(KernelOptions(**opts, dtype=dtype, device=device, seed=seed), _progress(quiet))
+    report = run_kernels(KernelOptions(**opts, dtype=dtype, device=device, seed=seed, l2_flush=l2_flush),
+                         _progress(quiet))
     _out().print(kernels_table(report))
     return report
 
@@ -207,6 +208,9 @@ def kernels_cmd(
     system_tokens: Optional[str] = _SYS,
     max_batch: Optional[str] = typer.Option(None, "--max-batch", help="Batch sizes, comma-separated (8,32 on CPU; 64,256 on CUDA)."),
     context: Optional[int] = typer.Option(None, "--context", help="Own keys per request (64 on CPU, 128 on CUDA)."),
+    l2_flush: str = typer.Option("clean", "--l2-flush", help="CUDA: empty the L2 before each timed run by reading "
+                                 "a large buffer (clean) or by zeroing one as triton's do_bench does (dirty: the "
+                                 "run also pays for writing those lines back)."),
     dtype: Optional[str] = _DTYPE,
     device: Optional[str] = _DEVICE,
     seed: int = _SEED,
@@ -218,7 +222,7 @@ def kernels_cmd(
     """Decode attention alone: relay vs the --no-relay baseline vs per-request SDPA."""
     with _refusals(threads):
         _check_outputs(json_path, plot_path)
-        report = _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet)
+        report = _kernels(model, system_tokens, max_batch, context, dtype, device, seed, quiet, l2_flush)
         _save([report], json_path, plot_path, quiet)
 
 

@@ -6,7 +6,8 @@ keys each in a paged cache (16-token pages, shuffled block table), random inputs
   no-relay  one softmax per request over prefix + own keys (prefix read per request)
   sdpa      torch's scaled_dot_product_attention per request on contiguous KV
 On CUDA with Triton the kernels are those of kernels/triton_ops.py, timed as CUDA-graph
-replays (median of triton's do_bench, L2 flushed); elsewhere the pure-PyTorch
+replays (median of CUDA events, the L2 emptied before each run: relaycli/bench/timing.py,
+`l2_flush`); elsewhere the pure-PyTorch
 kernels/reference.py, timed by the median of repeated calls. Nothing here prints.
 """
 
@@ -28,6 +29,7 @@ from models.dummy import dummy_config
 from models.registry import resolve_device, resolve_dtype
 from relaycli.bench.report import machine_info
 from relaycli.bench.roofline import attention_floor, measure_ceilings
+from relaycli.bench.timing import FLUSHES, cuda_median_us
 
 KERNELS = ("relay", "no-relay", "sdpa")
 
@@ -42,8 +44,11 @@ class KernelOptions:
     device: str | None = None
     seed: int = 0
     repeats: int = 5
+    l2_flush: str = "clean"  # how the L2 is emptied before each timed CUDA run (timing.FLUSHES)
 
     def __post_init__(self) -> None:
+        if self.l2_flush not in FLUSHES:
+            raise ValueError(f"--l2-flush must be one of {', '.join(FLUSHES)}, got {self.l2_flush!r}")
         if not self.model.startswith("dummy:"):
             raise ValueError("relay bench kernels takes head shapes from a dummy preset, e.g. --model dummy:llama3-8b")
         dummy_config(self.model.split(":", 1)[1])  # raises for an unknown preset
@@ -93,7 +98,7 @@ def _time_cpu(fn: Callable, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _time_cuda(fn: Callable, repeats: int) -> float:
+def _time_cuda(fn: Callable, repeats: int, flush: str = "clean") -> float:
     """Seconds of fn replayed from a CUDA graph (eager if capture fails), median."""
     fn()
     torch.cuda.synchronize()
@@ -111,18 +116,7 @@ def _time_cuda(fn: Callable, repeats: int) -> float:
         run = graph.replay
     except Exception:  # noqa: BLE001 - an op that cannot be captured is timed eagerly
         torch.cuda.synchronize()
-    try:
-        from triton.testing import do_bench
-        return do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-3
-    except ImportError:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        run()
-        start.record()
-        for _ in range(max(repeats, 20)):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e-3 / max(repeats, 20)
+    return cuda_median_us(run, flush) * 1e-6
 
 
 def _sdpa(q, k_cache, v_cache, meta, prefixes, scale):
@@ -147,7 +141,11 @@ def run_kernels(opts: KernelOptions, progress: Callable[[str], None] | None = No
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     use_triton = triton_available(dev)
     ops = __import__("kernels.triton_ops", fromlist=["x"]) if use_triton else reference
-    time_fn = _time_cuda if dev.type == "cuda" else _time_cpu
+    if dev.type == "cuda":
+        def time_fn(fn, repeats):
+            return _time_cuda(fn, repeats, opts.l2_flush)
+    else:
+        time_fn = _time_cpu
     say(f"heads of {opts.model}: Hq={hq} Hkv={hkv} D={d}; {dtype} on {dev} "
         f"({'Triton' if use_triton else 'PyTorch reference'} kernels); measuring ceilings")
     ceil = measure_ceilings(dev, dtype)
