@@ -9,6 +9,7 @@ PyTorch's fused CPU attention, kernels/cpu_flash.py) or "triton" (CUDA kernels).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import torch
@@ -29,6 +30,18 @@ def default_impl(device: torch.device) -> str:
         if cpu_flash.is_available():
             return "cpu-flash"
     return "torch"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on device: CUDA with Triton, or any device under
+    Triton's interpreter (TRITON_INTERPRET=1, set before triton loads: the CPU tests)."""
+    if triton_available(device):
+        return True
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_available(device: torch.device) -> bool:

@@ -53,9 +53,16 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def resolve_device(name: str | None) -> torch.device:
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ModelConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelConfigError(f"device {name!r} asked for, but this torch build sees no CUDA GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelConfigError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} CUDA GPUs")
     return device
 
 

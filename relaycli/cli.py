@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from relaycli import __version__
 from relaycli.bench.cli import bench_app
@@ -46,19 +48,42 @@ def _user_errors():
         yield
     except (ModelConfigError, TokenizerError, WeightError, ArtifactError, CompileError, InputError,
             OutputError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP (timeout, systemd, Kubernetes, Slurm): unwinds the job like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
 def _interruptible(output_path: Path):
-    """Ctrl-C: the answers already finished were flushed by the writer; say how to go on."""
+    """Ctrl-C, SIGTERM, SIGHUP: unwind, so the writer saves every finished answer; say how to
+    go on. Signals after the first are ignored, so they cannot cut that save short."""
+    def stop(signum, _frame):
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
     try:
         yield
-    except KeyboardInterrupt:
-        err_console.print(f"[yellow]interrupted:[/yellow] finished answers are saved next to {output_path}; "
-                          "run the same command with --resume to answer the rest", highlight=False)
-        raise typer.Exit(130)
+    except (KeyboardInterrupt, _Stopped) as exc:
+        signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
+        err_console.print(f"[yellow]stopped ({signal.Signals(signum).name}):[/yellow] the answers finished so far "
+                          f"are saved next to {escape(str(output_path))}; run the same command with --resume to "
+                          "answer the rest", highlight=False)
+        raise typer.Exit(128 + signum)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @app.command("compile-prompt")
@@ -131,7 +156,7 @@ def run_cmd(
             stats_json=stats_json, flush_rows=flush_rows)
         summary = run_with_progress(opts, quiet)
     if fail_on_error and summary.error_rows:
-        err_console.print(f"[red]error:[/red] {summary.error_rows} rows of {output_path} are error rows "
+        err_console.print(f"[red]error:[/red] {summary.error_rows} rows of {escape(str(output_path))} are error rows "
                           "(--fail-on-error)", highlight=False)
         raise typer.Exit(1)
 

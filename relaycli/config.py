@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -26,8 +27,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if self.kv_cache_gb is not None and not 0 < self.kv_cache_gb < math.inf:
+            raise ValueError(f"--kv-cache-gb must be a positive number of GiB, got {self.kv_cache_gb}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.attention_impl not in ("auto", "torch", "cpu-flash", "triton"):

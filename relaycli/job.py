@@ -42,9 +42,12 @@ class JobOptions:
     flush_rows: int = 256  # answers per saved part: what a crash can cost at most
 
     def __post_init__(self) -> None:
-        names = [p.name for p in self.prompt_paths]
-        if len(set(names)) != len(names):
-            raise ValueError("two --prompt artifacts have the same file name; rows pick artifacts by name")
+        seen: dict[str, Path] = {}
+        for p in self.prompt_paths:
+            if p.name in seen:
+                raise ValueError(f"--prompt {seen[p.name]} and --prompt {p} have the same file name; rows pick "
+                                 "artifacts by name: rename one")
+            seen[p.name] = p
 
 
 @dataclass
@@ -78,13 +81,20 @@ def _is_openai_input(source) -> bool:
 
 
 def _check_paths(opts: JobOptions) -> None:
-    """Files a job would destroy: refused before it opens anything."""
-    if same_file(opts.output_path, opts.input_path):
-        raise OutputError(f"--out {opts.output_path} is the input file; give the answers another file name")
+    """Files a job would destroy: refused before it opens anything. What the job reads
+    (input, artifacts, a model file) must not be what it writes (--out, --stats-json)."""
+    reads = [(opts.input_path, "the input file"), *((p, f"the --prompt artifact {p}") for p in opts.prompt_paths)]
+    if opts.model is not None and Path(opts.model).is_file():
+        reads.append((Path(opts.model), "the --model file"))
+    writes = [(opts.output_path, "--out")]
     if opts.stats_json is not None:
-        for other, what in ((opts.output_path, "--out"), (opts.input_path, "--in")):
-            if same_file(opts.stats_json, other):
-                raise OutputError(f"--stats-json {opts.stats_json} is the {what} file; give the stats another name")
+        writes.append((opts.stats_json, "--stats-json"))
+        if same_file(opts.stats_json, opts.output_path):
+            raise OutputError(f"--stats-json {opts.stats_json} is the --out file; give the stats another name")
+    for target, flag in writes:
+        for source, what in reads:
+            if same_file(target, source):
+                raise OutputError(f"{flag} {target} is {what}; write to another file name")
 
 
 def _job_record(opts: JobOptions, loaded: LoadedModel, artifacts, run_dtype: str) -> dict:

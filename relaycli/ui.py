@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -34,6 +35,9 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
     if same_file(sys_txt, out):
         raise OutputError(f"the output path {out} is the system prompt file {sys_txt} itself; "
                           "give another --out (the prompt text would be overwritten)")
+    if out.exists() and out.suffix != ".relaykv":
+        # Recompiling over an artifact is what users do; over a request file it loses data.
+        raise OutputError(f"{out} exists and is not a .relaykv artifact; remove it or choose another --out")
     text = read_system_text(sys_txt)
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
@@ -51,9 +55,9 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
         result = compile_prompt(loaded, text, out, progress=lambda done, total: bar.update(task, completed=done,
                                                                                            total=total))
     if not quiet:
-        console.print(f"[green]wrote[/green] {result.path}: {result.num_tokens} tokens, "
+        console.print(f"[green]wrote[/green] {escape(str(result.path))}: {result.num_tokens} tokens, "
                       f"{_human_bytes(result.num_bytes)}, {result.seconds:.2f} s "
-                      f"(model {loaded.reference}, {str(loaded.model.dtype).replace('torch.', '')})",
+                      f"(model {escape(loaded.reference)}, {str(loaded.model.dtype).replace('torch.', '')})",
                       highlight=False)
 
 
@@ -78,15 +82,18 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
         "text_start": meta["system_text"][:200],
     }
     if not as_json:
-        table = Table(title=str(path), show_header=False)
+        # Every value shown comes from the file: escaped, so "[/INST]" in a prompt is text, not markup.
+        table = Table(title=escape(str(path)), show_header=False)
         for key in ("model", "tokens", "dtype", "layers", "kv_heads", "head_dim", "format_version",
                     "relay_version"):
-            table.add_row(key, str(info[key]))
+            table.add_row(key, escape(str(info[key])))
         table.add_row("size", _human_bytes(info["size_bytes"]))
-        table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ") + meta["checksum"][:23])
+        table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ")
+                      + escape(meta["checksum"][:23]))
         if problem:
-            table.add_row("problem", problem)
-        table.add_row("text", info["text_start"][:120].replace("\n", " ") + ("…" if len(meta["system_text"]) > 120 else ""))
+            table.add_row("problem", escape(problem))
+        table.add_row("text", escape(info["text_start"][:120].replace("\n", " "))
+                      + ("…" if len(meta["system_text"]) > 120 else ""))
         Console().print(table)
     return info
 
@@ -125,15 +132,15 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
 
 def print_summary(s: JobSummary) -> None:
     if s.already_complete:
-        console.print(f"{s.output_path} is already complete ({s.input_rows} rows, {s.error_rows} error rows); "
+        console.print(f"{escape(s.output_path)} is already complete ({s.input_rows} rows, {s.error_rows} error rows); "
                       "nothing to do", highlight=False)
         return
     d = s.stats.as_dict()
     for art in s.artifacts:
         if art["cast_from"]:
-            console.print(f"[yellow]note:[/yellow] {art['name']} was cast from {art['cast_from']} to {s.dtype} "
+            console.print(f"[yellow]note:[/yellow] {escape(art['name'])} was cast from {art['cast_from']} to {s.dtype} "
                           "(--allow-cast); outputs may differ from a matching artifact")
-    table = Table(title=f"relay run: {s.output_path}", show_header=False)
+    table = Table(title=f"relay run: {escape(s.output_path)}", show_header=False)
     rows = [
         ("rows", f"{s.input_rows} ({s.skipped_rows} from an earlier run)" if s.skipped_rows else str(s.input_rows)),
         ("errors", f"{s.error_rows} ({d['errors']} in this run)" if s.skipped_rows else str(d["errors"])),
@@ -141,7 +148,7 @@ def print_summary(s: JobSummary) -> None:
         ("prompt / cached / generated tokens", f"{d['prompt_tokens']} / {d['cached_tokens']} / {d['completion_tokens']}"),
         ("throughput", f"{d['generated_tokens_per_second']:.1f} generated tok/s, {d['rows_per_second']:.2f} rows/s"),
         ("time", f"{d['elapsed_seconds']:.1f} s (model load {s.load_seconds:.1f} s)"),
-        ("model", f"{s.model} · {s.dtype} · {s.device} · {s.attention}"),
+        ("model", f"{escape(s.model)} · {s.dtype} · {s.device} · {s.attention}"),
     ]
     for k, v in rows:
         table.add_row(k, v)

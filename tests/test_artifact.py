@@ -410,6 +410,17 @@ def test_cli_compile_to_a_folder_is_refused_first(tmp_path, monkeypatch):
     assert list(folder.iterdir()) == []
 
 
+def test_cli_compile_over_a_file_that_is_no_artifact_is_refused(tmp_path, monkeypatch):
+    _no_model_load(monkeypatch)
+    sys_txt = tmp_path / "sys.txt"
+    sys_txt.write_text(SYSTEM)
+    victim = tmp_path / "reqs.jsonl"
+    victim.write_text('{"prompt": "keep me"}\n')
+    result = CliRunner().invoke(app, ["compile-prompt", str(sys_txt), "--quiet", "--out", str(victim)])
+    assert result.exit_code == 2 and "exists and is not a .relaykv artifact" in result.output, result.output
+    assert victim.read_text() == '{"prompt": "keep me"}\n'
+
+
 def test_cli_compile_onto_its_own_source_is_refused(tmp_path, monkeypatch):
     _no_model_load(monkeypatch)
     monkeypatch.chdir(tmp_path)
@@ -464,3 +475,16 @@ def test_artifact_gets_the_mode_of_a_normal_file(tmp_path, mask):
     assert path.stat().st_mode & 0o777 == 0o666 & ~mask == (tmp_path / "plain").stat().st_mode & 0o777
     art = read_artifact(path)
     assert all(torch.equal(a, b) for a, b in zip(art.keys + art.values, keys + values))
+
+
+def test_inspect_shows_brackets_in_paths_and_text_as_text(compiled, tmp_path):
+    # "[/INST]" is Llama-2 prompt syntax and rich markup to a console that is not told otherwise.
+    text = "Use [INST] q [/INST] a. [bold]Be brief.[/bold]"
+    copy = _rewrite_meta(compiled[0], tmp_path, system_text=text)
+    odd = tmp_path / "[bold]odd[red].relaykv"
+    copy.rename(odd)
+    result = CliRunner().invoke(app, ["inspect", str(odd)])
+    assert result.exit_code == 0, result.output
+    assert "]odd[red].relaykv" in result.output and "[INST] q [/INST] a. [bold]Be brief.[/bold]" in result.output
+    missing = CliRunner().invoke(app, ["inspect", str(tmp_path / "[/INST].relaykv")])
+    assert missing.exit_code == 2 and "[/INST].relaykv: no such artifact" in missing.output

@@ -372,13 +372,17 @@ def test_build_step_with_unequal_lengths_attends_each_row_to_its_own_keys():
     assert tables.unique().numel() == tables.numel()  # no block shared by two rows
 
 
-def test_bench_refuses_bad_options():
+def test_bench_refuses_bad_options(tmp_path):
     res = CliRunner().invoke(app, ["bench", "e2e", "--system-tokens", "0,abc", "--device", "cpu"])
     assert res.exit_code == 2 and "--system-tokens" in res.output
     res = CliRunner().invoke(app, ["bench", "e2e", "--systems", "relay,vllm", "--device", "cpu"])
     assert res.exit_code == 2 and "vllm" in res.output
     res = CliRunner().invoke(app, ["bench", "kernels", "--json", "/nonexistent-dir/k.json", "--device", "cpu"])
     assert res.exit_code == 2 and "does not exist" in res.output
+    res = CliRunner().invoke(app, ["bench", "kernels", "--json", str(tmp_path), "--device", "cpu"])
+    assert res.exit_code == 2 and "is a folder; give a file name" in res.output
+    res = CliRunner().invoke(app, ["bench", "kernels", "--plot", str(tmp_path / "p.txt"), "--device", "cpu"])
+    assert res.exit_code == 2 and "--plot writes a PNG" in res.output
     res = CliRunner().invoke(app, ["bench", "kernels", "--l2-flush", "warm", "--device", "cpu", "--quiet"])
     assert res.exit_code == 2 and "--l2-flush must be one of clean, dirty" in res.output
 

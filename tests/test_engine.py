@@ -181,3 +181,16 @@ def test_a_row_that_fails_to_render_is_its_own_error_row(default_model, artifact
     assert [r.finish_reason == "error" for r in out] == [False, True, False]
     assert "row 1: the chat could not be rendered" in out[1].error and "RuntimeError" in out[1].error
     out[1].error.encode("utf-8")  # the message itself is writable text
+
+
+def test_engine_settings_that_cannot_work_are_refused_before_the_cache_is_made(default_model, artifact,
+                                                                              monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Triton test files set it for their CPU runs
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--attention-impl triton needs a CUDA GPU"):
+            Engine(default_model, [artifact], EngineConfig(attention_impl="triton"))
+    with pytest.raises(ValueError, match="--kv-cache-gb 1e\\+06 is more than the .* GiB free"):
+        Engine(default_model, [artifact], EngineConfig(kv_cache_gb=1e6))
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="--kv-cache-gb must be a positive number"):
+            EngineConfig(kv_cache_gb=bad)

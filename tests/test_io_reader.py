@@ -31,7 +31,7 @@ def test_jsonl_rows_blank_lines_and_malformed_lines(tmp_path):
     assert [r[0] for r in rows] == [0, 1, 2, 3]
     assert rows[0] == (0, {"id": "a", "prompt": "hi"}, None)
     assert rows[1][1] is None and rows[1][2].startswith("row 1 (line 4): not valid JSON")
-    assert rows[2][1] is None and "holds a JSON list, not an object" in rows[2][2]
+    assert rows[2][1] is None and "holds a JSON array, not an object" in rows[2][2]
     assert rows[3][1]["messages"][0]["content"] == "héllo ✓"
 
 
@@ -60,6 +60,35 @@ def test_jsonl_cr_only_line_endings_are_lines(tmp_path):
     rows = list(src)
     assert [raw["prompt"] for _, raw, _ in rows[:2]] == ["a", "b"]
     assert rows[2][1] is None and rows[2][2].startswith("row 2 (line 4): not valid JSON")
+
+
+def test_utf16_and_utf32_files_are_refused_not_split_into_invented_rows(tmp_path):
+    text = '{"id": "a", "prompt": "Hi"}\n{"id": "b", "prompt": "Hi"}\n'
+    for encoding in ("utf-16", "utf-16-le", "utf-32"):
+        path = tmp_path / f"{encoding}.jsonl"
+        path.write_bytes(text.encode(encoding))
+        with pytest.raises(InputError, match="UTF-16 or UTF-32 text; relay reads UTF-8"):
+            open_requests(path)
+
+
+def test_parquet_bytes_given_as_jsonl_are_refused(tmp_path):
+    path = tmp_path / "r.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), path)
+    with pytest.raises(InputError, match="is a Parquet file, not JSON Lines"):
+        open_requests(path, "jsonl")
+
+
+def test_json_nested_too_deeply_is_that_rows_error(tmp_path):
+    path = tmp_path / "r.jsonl"
+    deep = '{"prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path.write_text(deep + "\n" + '{"prompt": "ok"}\n')
+    rows = list(read_requests(open_requests(path)))
+    assert rows[0].finish_reason == "error" and "nested too deeply" in rows[0].error
+    assert rows[1].messages == [{"role": "user", "content": "ok"}]
+    # Nested just under what the reader takes: parsed, then refused with a short message.
+    path.write_text('{"prompt": ' + "[" * 900 + "]" * 900 + "}\n")
+    row, = read_requests(open_requests(path))
+    assert row.finish_reason == "error" and "'prompt' must be a string" in row.error and len(row.error) < 200
 
 
 def test_jsonl_invalid_utf8_is_a_row_error(tmp_path):

@@ -201,6 +201,14 @@ def test_error_row_keeps_usable_id_and_openai_url():
     assert r.id == "c9" and r.url == "/v1/completions"
 
 
+def test_job_seed_base_has_the_range_of_a_row_seed():
+    # Wider values would fold onto it: --seed -1 and --seed 2**64-1 gave the same job.
+    for bad in (-1, 2**63, 2**64 - 1):
+        with pytest.raises(ValueError, match="--seed must be an integer from 0 to 2\\*\\*63-1"):
+            RequestDefaults(seed_base=bad)
+    assert RequestDefaults(seed_base=2**63 - 1).seed_base == 2**63 - 1
+
+
 def test_dataclass_validation():
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=0)
@@ -208,7 +216,7 @@ def test_dataclass_validation():
         SamplingParams(stop="x")
     with pytest.raises(ValueError, match="temperature"):
         RequestDefaults(temperature=-1)
-    with pytest.raises(ValueError, match="seed base"):
+    with pytest.raises(ValueError, match="--seed must be an integer"):
         RequestDefaults(seed_base="0")
     with pytest.raises(ValueError, match="finish_reason"):
         ResultRow(0, "a", "t", "eos")

@@ -321,3 +321,10 @@ def test_a_built_model_refuses_to_be_moved_or_cast():
             move(lm.model)
     attn = lm.model.model.layers[0].self_attn
     assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[attn.qkv.sizes[0]:].data_ptr()
+
+
+@pytest.mark.parametrize("name", ["tpu", "meta", "mps", "", "cuda:abc", "cpu:x"])
+def test_unknown_device_is_one_sentence(name):
+    from models.registry import resolve_device
+    with pytest.raises(ModelConfigError, match="unknown device .*use cpu, cuda or cuda:N"):
+        resolve_device(name)

@@ -121,7 +121,13 @@ def test_paths_a_job_would_destroy_are_refused(job, tmp_path):
     res = relay("run", "--in", src, "--out", out, "--stats-json", out, check=False)
     assert res.returncode == 2 and "--stats-json" in res.stderr and "is the --out file" in res.stderr
     res = relay("run", "--in", src, "--out", out, "--stats-json", src, check=False)
-    assert res.returncode == 2 and "is the --in file" in res.stderr
+    assert res.returncode == 2 and "is the input file" in res.stderr
+    art = tmp_path / "keep.relaykv"
+    art.write_bytes((job / "sys.relaykv").read_bytes())
+    res = relay("run", "--in", src, "--out", out, "--prompt", art, "--stats-json", art, check=False)
+    assert res.returncode == 2 and "is the --prompt artifact" in res.stderr
+    assert art.read_bytes() == (job / "sys.relaykv").read_bytes()
+    art.unlink()
     assert src.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
 
 
@@ -210,3 +216,38 @@ def test_resume_after_kill_9_loses_and_doubles_nothing(job, tmp_path):
     fresh = tmp_path / "fresh.parquet"
     relay("run", "--in", src, "--out", fresh, "--prompt", job / "sys.relaykv", "--max-batch", "4", "--quiet")
     assert pq.read_table(fresh).to_pylist() == rows
+
+
+STOP_AFTER_3 = """
+import os, signal, sys
+from relaycli.io import writer
+real, signum = writer.ResultWriter.write, getattr(signal, sys.argv[1])
+def write(self, result):
+    real(self, result)
+    if len(self._done) == 3:
+        os.kill(os.getpid(), signum)
+writer.ResultWriter.write = write
+sys.argv = ["relay", *sys.argv[2:]]
+from relaycli.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_save_every_finished_answer(job, tmp_path, signame):
+    # timeout, systemd, Kubernetes and Slurm stop a job with SIGTERM: it must unwind as
+    # Ctrl-C does, so the answers finished but not yet in a part are saved too.
+    src, out = tmp_path / "r.jsonl", tmp_path / "o.jsonl"
+    src.write_text("".join(json.dumps({"id": f"s{i}", "prompt": q, "max_tokens": 3, "temperature": 0}) + "\n"
+                           for i, q in enumerate(QUESTIONS)))
+    args = ["run", "--in", src, "--out", out, "--prompt", job / "sys.relaykv", "--quiet", "--max-batch", "1",
+            "--flush-rows", "1000"]  # nothing is saved before the signal but by the unwinding
+    res = subprocess.run([sys.executable, "-c", STOP_AFTER_3, signame, *map(str, args)], capture_output=True,
+                         text=True, timeout=600)
+    signum = getattr(signal, signame)
+    assert res.returncode == 128 + signum, res.stderr
+    assert f"stopped ({signame})" in res.stderr and "--resume" in res.stderr and "Traceback" not in res.stderr
+    saved = pq.read_table(next(Path(str(out) + ".parts").glob("part-*.parquet"))).column("id").to_pylist()
+    assert saved == ["s0", "s1", "s2"]
+    relay(*args, "--resume")
+    assert [r["id"] for r in _jsonl(out)] == [f"s{i}" for i in range(len(QUESTIONS))]

@@ -193,3 +193,18 @@ def test_cpu_sampler_filters_a_large_vocabulary_without_sorting_it(monkeypatch):
         got = sampler.sample(logits, opts, [draw] * 4)
         assert got[0] in wants[0] and got[1] in wants[1]
         assert got[3] == int(logits[3].argmax())
+
+
+def test_vanishing_temperatures_pick_the_argmax_not_a_nan_token():
+    # logits / 1e-40 overflows fp32 to inf and the softmax to NaN; such a row asks for the
+    # argmax to fp32 precision, with or without top-k / top-p.
+    torch.manual_seed(random.randrange(10**6))
+    logits = torch.randn(4, 300) * 20
+    for temperature in (1e-40, 5e-324, 1e-25):
+        opts = [SamplingOptions(max_tokens=1, temperature=temperature, seed=3),
+                SamplingOptions(max_tokens=1, temperature=temperature, top_k=5, seed=4),
+                SamplingOptions(max_tokens=1, temperature=temperature, top_p=0.9, seed=5),
+                SamplingOptions(max_tokens=1, temperature=1.0, seed=6)]
+        got = Sampler(torch.device("cpu")).sample(logits, opts, [0, 0, 0, 0])
+        assert got[:3] == logits[:3].argmax(dim=-1).tolist(), temperature
+    assert SamplingOptions(max_tokens=1, temperature=1e-19).temperature == 1e-19  # still sampled

@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 bench_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                         help="Benchmarks: throughput (e2e) and attention kernels, with a roofline.")
@@ -51,7 +52,8 @@ def _ints(text: Optional[str], flag: str) -> Optional[list[int]]:
     try:
         values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated whole numbers, e.g. 0,512,2048; got {text!r}") from None
+        example = "64,256" if flag == "--max-batch" else "0,512,2048"
+        raise ValueError(f"{flag} takes comma-separated whole numbers, e.g. {example}; got {text!r}") from None
     if not values:
         raise ValueError(f"{flag} needs at least one value")
     return values
@@ -68,7 +70,7 @@ def _refusals(threads: Optional[int] = None):
             torch.set_num_threads(threads)
         yield
     except ValueError as exc:
-        _err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        _err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
 
 
@@ -78,7 +80,7 @@ def _is_cuda(device: Optional[str]) -> bool:
 
 
 def _progress(quiet: bool):
-    return None if quiet else (lambda msg: _err.print(f"[dim]{msg}[/dim]", highlight=False, soft_wrap=True))
+    return None if quiet else (lambda msg: _err.print(f"[dim]{escape(msg)}[/dim]", highlight=False, soft_wrap=True))
 
 
 def _check_outputs(json_path: Optional[Path], plot_path: Optional[Path]) -> None:
@@ -87,6 +89,10 @@ def _check_outputs(json_path: Optional[Path], plot_path: Optional[Path]) -> None
     for path in (json_path, plot_path):
         if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
             raise ValueError(f"the folder of {path} does not exist; create it first")
+        if path is not None and Path(path).is_dir():
+            raise ValueError(f"{path} is a folder; give a file name")
+    if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
+        raise ValueError(f"--plot writes a PNG; name it .png, not {Path(plot_path).name}")
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or relay-batch[plot]); "
                          "or write --json now and draw it later with `relay bench show FILE --plot PNG`")
@@ -98,11 +104,11 @@ def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Pa
     if json_path is not None:
         write_json(json_path, reports[0] if len(reports) == 1 else {"kind": "bench", "reports": reports})
         if not quiet:
-            _err.print(f"[green]wrote[/green] {json_path}", highlight=False)
+            _err.print(f"[green]wrote[/green] {escape(str(json_path))}", highlight=False)
     if plot_path is not None:
         plot_throughput(reports, plot_path)
         if not quiet:
-            _err.print(f"[green]wrote[/green] {plot_path}", highlight=False)
+            _err.print(f"[green]wrote[/green] {escape(str(plot_path))}", highlight=False)
 
 
 def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,

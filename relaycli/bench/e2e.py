@@ -8,6 +8,8 @@ min_new_tokens = max_new_tokens). Nothing here prints; `progress` gets one line 
 
 from __future__ import annotations
 
+import math
+
 import gc
 import random
 import time
@@ -52,8 +54,8 @@ class E2EOptions:
         get_workload(self.workload)
         if self.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also refuses nan, as relay run does
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:

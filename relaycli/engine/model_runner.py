@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kernels.backend import PagedAttention, default_impl, layer_ops
+from kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
 from kernels.metadata import AttentionMetadata, PrefixGroup
 from models.registry import LoadedModel
 from relaycli.config import EngineConfig
@@ -30,6 +30,19 @@ class PrefixKV:
         return self.keys[0].shape[0]
 
 
+def _available_cpu_bytes() -> int:
+    """Memory the kernel can give without swapping: MemAvailable (free plus reclaimable
+    page cache) where /proc says it, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, prefixes: list[PrefixKV], config: EngineConfig) -> None:
         self.model = loaded.model
@@ -37,13 +50,22 @@ class ModelRunner:
         self.device = loaded.model.device
         self.dtype = loaded.model.dtype
         self.block_size = config.block_size
+        if config.attention_impl == "triton" and not triton_runs_on(self.device):
+            raise ValueError(f"--attention-impl triton needs a CUDA GPU with Triton, and this run is on "
+                             f"{self.device}; use auto, torch or cpu-flash")
         self.num_blocks = self._num_blocks(config)
         # One more block than the block manager hands out: a scratch block that padded
         # rows of a graphed decode step write to.
         shape = (self.num_blocks + 1, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
         layers = range(self.mc.num_hidden_layers)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        try:
+            self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+            self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            self.k_caches = self.v_caches = []
+            gib = (self.num_blocks + 1) * self.bytes_per_block() / 1024**3
+            raise ValueError(f"the KV cache ({gib:.1f} GiB) does not fit in {self.device}'s memory "
+                             f"({type(exc).__name__}); lower --kv-cache-gb or leave it out") from None
         self.prefixes = [PrefixKV([k.to(self.device, self.dtype) for k in p.keys],
                                   [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes]
         impl = config.attention_impl
@@ -69,6 +91,10 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if config.kv_cache_gb is not None:
             budget = config.kv_cache_gb * 1024**3
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_cpu_bytes()
+            if budget > free:  # on the CPU an allocation this large may succeed, then be killed when touched
+                raise ValueError(f"--kv-cache-gb {config.kv_cache_gb:g} is more than the {free / 1024**3:.1f} GiB "
+                                 f"free on {self.device}; lower it or leave it out")
         elif self.device.type == "cuda":
             # Blocks PyTorch caches but no tensor uses (say, a prefix prefill's activations)
             # count as taken in mem_get_info: hand them back first.

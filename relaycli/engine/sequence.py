@@ -12,6 +12,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Temperatures below this sample as greedy. Dividing fp32 logits by them overflows to inf
+# (then NaN), and the distribution they ask for is already one-hot in fp32: two logits
+# that differ at all differ by at least ~1e-7 of their size, and exp(-1e-7 / 1e-20)
+# rounds to 0. Only exact ties could go another way (greedy takes the first).
+GREEDY_BELOW = 1e-20
+
+
 @dataclass
 class SamplingOptions:
     """What the sampler and the stop rules need (a view of the row's SamplingParams)."""
@@ -23,6 +30,10 @@ class SamplingOptions:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     @property
     def is_greedy(self) -> bool:

@@ -74,6 +74,20 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield line_no, line
 
 
+def _refuse_wide_text(path: Path) -> None:
+    """A Parquet file read as JSONL, and UTF-16 and UTF-32 files (PowerShell 5 writes UTF-16 for `>`) split on b"\\n" into
+    pieces that are neither rows nor blank: refuse the file instead of inventing rows."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PAR1"):
+        raise InputError(f"{path} is a Parquet file, not JSON Lines; leave out --format or pass --format parquet")
+    wide = head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff"))
+    wide = wide or (len(head) >= 8 and head.count(b"\x00") * 3 >= len(head))  # no BOM, but every other byte NUL
+    if wide:
+        raise InputError(f"{path} is UTF-16 or UTF-32 text; relay reads UTF-8: save it as UTF-8 "
+                         "(in PowerShell: Out-File -Encoding utf8)")
+
+
 def _is_blank(line: bytes) -> bool:
     return not line.strip()
 
@@ -82,6 +96,7 @@ class JsonlSource(RequestSource):
     """One JSON object a line; blank lines are neither rows nor errors."""
 
     def __init__(self, path: Path) -> None:
+        _refuse_wide_text(path)
         num_rows, first = 0, None
         for _, line in _lines(path):
             if not _is_blank(line):
@@ -103,6 +118,9 @@ class JsonlSource(RequestSource):
             row_index += 1
 
 
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _parse_line(line: bytes, row_index: int, line_no: int) -> tuple[dict | None, str | None]:
     where = f"row {row_index} (line {line_no})"
     try:
@@ -111,8 +129,10 @@ def _parse_line(line: bytes, row_index: int, line_no: int) -> tuple[dict | None,
         return None, f"{where}: not valid UTF-8; save the file as UTF-8"
     except json.JSONDecodeError as e:
         return None, f"{where}: not valid JSON ({e.msg} at column {e.colno}); write one JSON object per line"
+    except RecursionError:
+        return None, f"{where}: JSON nested too deeply to read; flatten the row"
     if not isinstance(value, dict):
-        return None, (f"{where}: holds a JSON {type(value).__name__}, not an object; "
+        return None, (f"{where}: holds a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}, not an object; "
                       "write one object with 'prompt' or 'messages' per line")
     return value, None
 

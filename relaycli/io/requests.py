@@ -43,7 +43,10 @@ _SURROGATE_FIX = "holds a lone surrogate escape (such as \\ud800), which is not 
 
 def _show(v: Any) -> str:
     """A short repr for error lines: a 10 kB prompt must not flood the error column."""
-    text = repr(v)
+    try:
+        text = repr(v)
+    except RecursionError:  # a value nested as deep as the JSON reader allows
+        return f"a deeply nested {type(v).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -100,8 +103,9 @@ class RequestDefaults:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.seed_base):
-            raise ValueError(f"seed base must be an integer, got {_show(self.seed_base)}")
+        if not _is_int(self.seed_base) or not 0 <= self.seed_base < SEED_LIMIT:
+            # as a row's own seed: a wider range would fold onto it (-1 and 2**64-1 gave one job)
+            raise ValueError(f"--seed must be an integer from 0 to 2**63-1, got {_show(self.seed_base)}")
         # One rule set: the defaults must themselves be valid sampling values.
         SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, ignore_eos=self.ignore_eos)

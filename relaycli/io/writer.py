@@ -153,8 +153,10 @@ class ResultWriter:
         self.out_path = Path(out_path)
         self.fmt = output_format(self.out_path, fmt)
         self.openai_output = openai_output and self.fmt == "jsonl"  # OpenAI lines exist only as JSONL
-        if not isinstance(flush_rows, int) or flush_rows < 1 or not flush_seconds > 0:
-            raise ValueError("flush_rows must be an integer >= 1 and flush_seconds a number > 0")
+        if not isinstance(flush_rows, int) or flush_rows < 1:
+            raise ValueError(f"--flush-rows must be an integer >= 1, got {flush_rows!r}")
+        if not flush_seconds > 0:
+            raise ValueError(f"flush_seconds must be a number > 0, got {flush_seconds!r}")
         self.flush_rows, self.flush_seconds, self.model_name = flush_rows, flush_seconds, model_name
         self.parts_dir = self.out_path.with_name(self.out_path.name + ".parts")
         self.dropped_parts: list[Path] = []  # unreadable parts removed on resume (their rows rerun)
