@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
@@ -72,7 +73,11 @@ def _interruptible(output_path: Path):
             signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt if signum == signal.SIGINT else _Stopped(signum)
 
-    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    # Not where a signal is ignored (nohup ignores SIGHUP, shells ignore SIGINT in background
+    # jobs), and only from the main thread, the one that may set handlers.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     except (KeyboardInterrupt, _Stopped) as exc:
@@ -83,7 +88,8 @@ def _interruptible(output_path: Path):
         raise typer.Exit(128 + signum)
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            if handler is not None:  # None: a handler set from C, which Python cannot restore
+                signal.signal(s, handler)
 
 
 @app.command("compile-prompt")

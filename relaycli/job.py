@@ -104,7 +104,8 @@ def _job_record(opts: JobOptions, loaded: LoadedModel, artifacts, run_dtype: str
     except OSError as e:
         raise InputError(f"input file {opts.input_path} cannot be read ({e.strerror})") from None
     return {"input_sha256": input_sha, "model_fingerprint": loaded.fingerprint, "dtype": run_dtype,
-            "prompts": [[a.name, a.meta["checksum"], dtype_name(a.dtype)] for a in artifacts],
+            # sorted: rows pick artifacts by name, so the order of --prompt changes no answer
+            "prompts": sorted([a.name, a.meta["checksum"], dtype_name(a.dtype)] for a in artifacts),
             "defaults": dataclasses.asdict(opts.defaults)}
 
 
@@ -139,6 +140,7 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
         writer.bind_job(_job_record(opts, loaded, artifacts, run_dtype), source.num_rows, ids)
         if writer.already_complete:
             summary.already_complete, summary.skipped_rows = True, source.num_rows
+            writer.finalize(source.num_rows)  # parts a crash left after OUT's rename go too
         else:
             if on_start is not None:
                 on_start(source.num_rows, len(done))

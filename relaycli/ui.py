@@ -23,6 +23,19 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _is_artifact(path: Path) -> bool:
+    """A file compile-prompt may replace: named .relaykv (a damaged one is recompiled
+    too), or any name whose content reads as an artifact."""
+    from relaycli.artifact import ArtifactError, read_artifact
+    if path.suffix.lower() == ".relaykv":
+        return True
+    try:
+        read_artifact(path, verify_checksum=False)
+    except ArtifactError:
+        return False
+    return True
+
+
 def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dtype: str | None,
                           device: str | None, quiet: bool) -> None:
     from models.registry import load_model
@@ -35,7 +48,7 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
     if same_file(sys_txt, out):
         raise OutputError(f"the output path {out} is the system prompt file {sys_txt} itself; "
                           "give another --out (the prompt text would be overwritten)")
-    if out.exists() and out.suffix != ".relaykv":
+    if out.exists() and not _is_artifact(out):
         # Recompiling over an artifact is what users do; over a request file it loses data.
         raise OutputError(f"{out} exists and is not a .relaykv artifact; remove it or choose another --out")
     text = read_system_text(sys_txt)

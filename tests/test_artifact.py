@@ -488,3 +488,18 @@ def test_inspect_shows_brackets_in_paths_and_text_as_text(compiled, tmp_path):
     assert "]odd[red].relaykv" in result.output and "[INST] q [/INST] a. [bold]Be brief.[/bold]" in result.output
     missing = CliRunner().invoke(app, ["inspect", str(tmp_path / "[/INST].relaykv")])
     assert missing.exit_code == 2 and "[/INST].relaykv: no such artifact" in missing.output
+
+
+def test_cli_recompiles_over_an_artifact_of_any_name(compiled, tmp_path, monkeypatch):
+    # The content decides, not the suffix: an artifact named sys.kv is replaced, a request file is not.
+    import relaycli.ui as ui
+    calls = []
+    monkeypatch.setattr("models.registry.load_model", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+        RuntimeError("stop after the path checks")))
+    sys_txt = tmp_path / "sys.txt"
+    sys_txt.write_text(SYSTEM)
+    kv = tmp_path / "sys.kv"
+    kv.write_bytes(compiled[0].read_bytes())
+    assert ui._is_artifact(kv) and not ui._is_artifact(sys_txt)
+    result = CliRunner().invoke(app, ["compile-prompt", str(sys_txt), "--quiet", "--out", str(kv)])
+    assert calls and "is not a .relaykv artifact" not in result.output  # got past the checks to the model

@@ -62,6 +62,22 @@ def test_jsonl_cr_only_line_endings_are_lines(tmp_path):
     assert rows[2][1] is None and rows[2][2].startswith("row 2 (line 4): not valid JSON")
 
 
+def test_a_cr_inside_an_lf_line_is_json_whitespace(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"prompt": "a",\r"max_tokens": 3}\n{"prompt": "b"}\r\n')
+    src = open_requests(path)
+    assert src.num_rows == 2
+    assert [raw for _, raw, _ in src] == [{"prompt": "a", "max_tokens": 3}, {"prompt": "b"}]
+
+
+def test_zero_filled_start_is_not_taken_for_utf16(tmp_path):
+    # A crash can leave a run of zeros; they are error rows, not a refused file.
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\x00" * 3000 + b'\n{"prompt": "ok"}\n')
+    rows = list(open_requests(path))
+    assert rows[-1] == (1, {"prompt": "ok"}, None) and rows[0][1] is None
+
+
 def test_utf16_and_utf32_files_are_refused_not_split_into_invented_rows(tmp_path):
     text = '{"id": "a", "prompt": "Hi"}\n{"id": "b", "prompt": "Hi"}\n'
     for encoding in ("utf-16", "utf-16-le", "utf-32"):

@@ -343,6 +343,28 @@ def test_parts_without_a_job_record_are_refused_when_the_job_is_known(tmp_path):
         ResultWriter(out, resume=True).bind_job({"input_sha256": "a"}, 3, iter(()))
 
 
+def test_a_job_record_that_is_no_object_is_another_jobs(tmp_path):
+    out = tmp_path / "o.parquet"
+    w = ResultWriter(out, flush_rows=1)
+    w.bind_job({"input_sha256": "a"}, 2, iter(()))
+    w.write(result(0))
+    w.close()
+    (Path(str(out) + ".parts") / "job.json").write_text("[]")
+    with pytest.raises(OutputError, match="holds answers of another job"):
+        ResultWriter(out, resume=True).bind_job({"input_sha256": "a"}, 2, iter(()))
+
+
+def test_no_lock_file_after_a_resume_finds_the_job_complete(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with ResultWriter(out) as w:
+        w.write(result(0))
+        w.finalize(1)
+    with ResultWriter(out, resume=True) as w:
+        w.bind_job({"input_sha256": "a"}, 1, iter(["id0"]))
+        assert w.already_complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+
+
 def test_lock_file_is_removed_when_a_run_is_refused(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text("")
@@ -403,3 +425,20 @@ def test_sigkill_at_random_moment_then_resume(tmp_path):
     assert [r["id"] for r in rows] == [f"id{i}" for i in range(n)], killed_at
     assert all(r["text"] == f"text {i} " + "x" * (i % 50) for i, r in enumerate(rows))
     assert all(r["completion_tokens"] == i % 7 for i, r in enumerate(rows))
+
+
+def test_job_record_does_not_depend_on_the_order_of_prompts(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from relaycli.job import JobOptions, _job_record
+    src = tmp_path / "r.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    arts = [SimpleNamespace(name=n, meta={"checksum": f"sha256:{n}"}, dtype=torch.float32) for n in ("a", "b")]
+    loaded = SimpleNamespace(fingerprint="m")
+    opts = JobOptions(input_path=src, output_path=tmp_path / "o.jsonl")
+    before = _job_record(opts, loaded, arts, "float32")
+    assert before == _job_record(opts, loaded, arts[::-1], "float32")
+    src.write_text('{"prompt": "y"}\n')  # same length, other bytes
+    assert _job_record(opts, loaded, arts, "float32")["input_sha256"] != before["input_sha256"]

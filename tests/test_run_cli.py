@@ -233,6 +233,21 @@ entry()
 """
 
 
+IGNORED_SIGHUP = STOP_AFTER_3.replace("import os, signal, sys", "import os, signal, sys\n"
+                                      "signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it")
+
+
+def test_a_signal_ignored_before_the_job_stays_ignored(job, tmp_path):
+    src, out = tmp_path / "r.jsonl", tmp_path / "o.jsonl"
+    src.write_text("".join(json.dumps({"prompt": q, "max_tokens": 2, "temperature": 0}) + "\n"
+                           for q in QUESTIONS[:4]))
+    res = subprocess.run([sys.executable, "-c", IGNORED_SIGHUP, "SIGHUP", "run", "--in", str(src), "--out", str(out),
+                          "--prompt", str(job / "sys.relaykv"), "--quiet"], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert len(_jsonl(out)) == 4
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_sigterm_and_ctrl_c_save_every_finished_answer(job, tmp_path, signame):
     # timeout, systemd, Kubernetes and Slurm stop a job with SIGTERM: it must unwind as

@@ -91,7 +91,11 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if config.kv_cache_gb is not None:
             budget = config.kv_cache_gb * 1024**3
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_cpu_bytes()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # blocks torch caches but no tensor uses count as taken
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                free = _available_cpu_bytes()
             if budget > free:  # on the CPU an allocation this large may succeed, then be killed when touched
                 raise ValueError(f"--kv-cache-gb {config.kv_cache_gb:g} is more than the {free / 1024**3:.1f} GiB "
                                  f"free on {self.device}; lower it or leave it out")

@@ -60,16 +60,17 @@ class RequestSource(ABC):
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(line number, line) of a JSONL file, for counting and reading alike, so num_rows
     always equals the rows read. A UTF-8 BOM before the first line is not part of it.
-    Lines end in LF or CRLF; a lone CR also ends a line (files saved with old Mac line
-    endings). JSON strings never hold a raw CR, so a split can only fall where a CR
-    stood as whitespace between tokens."""
+    Lines end in LF or CRLF. A file with no LF at all, but CRs, has old Mac line endings:
+    there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace."""
     line_no = 0
     with open(path, "rb", buffering=1 << 20) as f:
         for physical in f:
+            # Only a first line without its LF is the whole file (iteration splits on LF).
+            cr_lines = line_no == 0 and not physical.endswith(b"\n")
             if line_no == 0:
                 physical = physical.removeprefix(_BOM)
             physical = physical.removesuffix(b"\n").removesuffix(b"\r")
-            for line in physical.split(b"\r") if b"\r" in physical else (physical,):
+            for line in physical.split(b"\r") if cr_lines else (physical,):
                 line_no += 1
                 yield line_no, line
 
@@ -82,7 +83,11 @@ def _refuse_wide_text(path: Path) -> None:
     if head.startswith(b"PAR1"):
         raise InputError(f"{path} is a Parquet file, not JSON Lines; leave out --format or pass --format parquet")
     wide = head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff"))
-    wide = wide or (len(head) >= 8 and head.count(b"\x00") * 3 >= len(head))  # no BOM, but every other byte NUL
+    nul_even, nul_odd = head[0::2].count(0), head[1::2].count(0)
+    # Without a BOM: ASCII text in UTF-16 has a NUL in every other byte, all on one side
+    # (a run of zeros, say from a crash, has them on both).
+    wide = wide or (len(head) >= 8 and 3 * (nul_even + nul_odd) >= len(head)
+                    and min(nul_even, nul_odd) * 10 <= max(nul_even, nul_odd))
     if wide:
         raise InputError(f"{path} is UTF-16 or UTF-32 text; relay reads UTF-8: save it as UTF-8 "
                          "(in PowerShell: Out-File -Encoding utf8)")

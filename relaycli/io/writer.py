@@ -139,9 +139,10 @@ def _job_record_of(path: Path, fmt: str) -> dict | None:
         return None  # a JSONL file has no place for it; its row ids are checked instead
     try:
         meta = pq.read_schema(path).metadata or {}
-        return json.loads(meta[JOB_META_KEY]) if JOB_META_KEY in meta else None
+        record = json.loads(meta[JOB_META_KEY]) if JOB_META_KEY in meta else None
     except (pa.ArrowException, OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else {}  # {}: a record, but not one of any job
 
 
 class ResultWriter:
@@ -228,6 +229,8 @@ class ResultWriter:
             try:
                 stored = json.loads(record.read_text(encoding="utf-8"))
             except (OSError, ValueError):
+                stored = {}
+            if not isinstance(stored, dict):
                 stored = {}
             differ = sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
             if differ:
@@ -360,7 +363,7 @@ class ResultWriter:
             if not self._finalized:
                 self.flush()
         finally:
-            self._unlock(remove=self._finalized)
+            self._unlock(remove=True)  # safe while held (see _lock); a crash leaves it, harmlessly
 
     def __del__(self) -> None:
         # A dropped writer releases its lock as a dead process would; it does not flush.
