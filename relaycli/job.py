@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from models.fingerprint import sha256_file
 from models.registry import LoadedModel, load_model
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.parts import write_json
-from relaycli.io.reader import InputError, open_requests, read_requests
+from relaycli.io.reader import RequestSource, open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
 from relaycli.io.writer import OutputError, ResultWriter, check_writable, same_file
 
@@ -97,13 +96,9 @@ def _check_paths(opts: JobOptions) -> None:
                 raise OutputError(f"{flag} {target} is {what}; write to another file name")
 
 
-def _job_record(opts: JobOptions, loaded: LoadedModel, artifacts, run_dtype: str) -> dict:
+def _job_record(opts: JobOptions, source: RequestSource, loaded: LoadedModel, artifacts, run_dtype: str) -> dict:
     """What the answers depend on, so a resumed run can prove it is the same job."""
-    try:
-        input_sha = sha256_file(opts.input_path)
-    except OSError as e:
-        raise InputError(f"input file {opts.input_path} cannot be read ({e.strerror})") from None
-    return {"input_sha256": input_sha, "model_fingerprint": loaded.fingerprint, "dtype": run_dtype,
+    return {"input_sha256": source.content_sha256(), "model_fingerprint": loaded.fingerprint, "dtype": run_dtype,
             # sorted: rows pick artifacts by name, so the order of --prompt changes no answer
             "prompts": sorted([a.name, a.meta["checksum"], dtype_name(a.dtype)] for a in artifacts),
             "defaults": dataclasses.asdict(opts.defaults)}
@@ -137,7 +132,7 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
             load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
         # The input's ids are read only to check a finished output row by row.
         ids = (row.id for row in read_requests(source, opts.defaults)) if writer.already_complete else iter(())
-        writer.bind_job(_job_record(opts, loaded, artifacts, run_dtype), source.num_rows, ids)
+        writer.bind_job(_job_record(opts, source, loaded, artifacts, run_dtype), source.num_rows, ids)
         if writer.already_complete:
             summary.already_complete, summary.skipped_rows = True, source.num_rows
             writer.finalize(source.num_rows)  # parts a crash left after OUT's rename go too

@@ -40,11 +40,10 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
                           device: str | None, quiet: bool) -> None:
     from models.registry import load_model
     from relaycli.compile import compile_prompt, read_system_text
-    from relaycli.io.writer import OutputError, same_file
+    from relaycli.io.writer import OutputError, check_writable, same_file
 
     out = out or Path(sys_txt).with_suffix(".relaykv")
-    if out.is_dir():
-        raise OutputError(f"the output path {out} is a folder; give a file name")
+    check_writable(out)  # its folder exists and takes a file, and out is no folder
     if same_file(sys_txt, out):
         raise OutputError(f"the output path {out} is the system prompt file {sys_txt} itself; "
                           "give another --out (the prompt text would be overwritten)")
@@ -52,15 +51,6 @@ def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dt
         # Recompiling over an artifact is what users do; over a request file it loses data.
         raise OutputError(f"{out} exists and is not a .relaykv artifact; remove it or choose another --out")
     text = read_system_text(sys_txt)
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir():
-        raise OutputError(f"the output folder {folder} does not exist; create it first")
-    probe = folder / f".relay-probe-{out.name}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise OutputError(f"cannot write {out} ({exc.strerror}); choose another --out") from None
     loaded = load_model(model, dtype, device)
     with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                   TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
@@ -151,7 +141,8 @@ def print_summary(s: JobSummary) -> None:
     d = s.stats.as_dict()
     for art in s.artifacts:
         if art["cast_from"]:
-            console.print(f"[yellow]note:[/yellow] {escape(art['name'])} was cast from {art['cast_from']} to {s.dtype} "
+            console.print(f"[yellow]note:[/yellow] {escape(art['name'])} was cast from {art['cast_from']} to "
+                          f"{s.dtype} "
                           "(--allow-cast); outputs may differ from a matching artifact")
     table = Table(title=f"relay run: {escape(s.output_path)}", show_header=False)
     rows = [

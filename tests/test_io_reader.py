@@ -220,3 +220,13 @@ def test_examples_parse_cleanly_and_parquet_matches_jsonl():
     assert len(batch) >= 15 and all(isinstance(r, RequestRow) and r.is_openai for r in batch)
     assert {r.url for r in batch} == {"/v1/chat/completions", "/v1/completions"}
     assert len((EXAMPLES / "system_prompt.txt").read_text(encoding="utf-8")) >= 5000
+
+
+def test_content_sha256_is_the_files_for_both_formats(tmp_path):
+    import hashlib
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n\n{"prompt": "b"}')  # BOM, CRLF, no final LF
+    parquet = tmp_path / "r.parquet"
+    pq.write_table(pa.table({"prompt": ["a"]}), parquet)
+    for path in (jsonl, parquet):
+        assert open_requests(path).content_sha256() == hashlib.sha256(path.read_bytes()).hexdigest()

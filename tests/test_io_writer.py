@@ -432,13 +432,14 @@ def test_job_record_does_not_depend_on_the_order_of_prompts(tmp_path):
 
     import torch
 
+    from relaycli.io.reader import open_requests
     from relaycli.job import JobOptions, _job_record
     src = tmp_path / "r.jsonl"
     src.write_text('{"prompt": "x"}\n')
     arts = [SimpleNamespace(name=n, meta={"checksum": f"sha256:{n}"}, dtype=torch.float32) for n in ("a", "b")]
     loaded = SimpleNamespace(fingerprint="m")
     opts = JobOptions(input_path=src, output_path=tmp_path / "o.jsonl")
-    before = _job_record(opts, loaded, arts, "float32")
-    assert before == _job_record(opts, loaded, arts[::-1], "float32")
+    before = _job_record(opts, open_requests(src), loaded, arts, "float32")
+    assert before == _job_record(opts, open_requests(src), loaded, arts[::-1], "float32")
     src.write_text('{"prompt": "y"}\n')  # same length, other bytes
-    assert _job_record(opts, loaded, arts, "float32")["input_sha256"] != before["input_sha256"]
+    assert _job_record(opts, open_requests(src), loaded, arts, "float32")["input_sha256"] != before["input_sha256"]

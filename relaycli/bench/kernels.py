@@ -98,7 +98,7 @@ def _time_cpu(fn: Callable, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _time_cuda(fn: Callable, repeats: int, flush: str = "clean") -> float:
+def _time_cuda(fn: Callable, flush: str = "clean") -> float:
     """Seconds of fn replayed from a CUDA graph (eager if capture fails), median."""
     fn()
     torch.cuda.synchronize()
@@ -142,8 +142,8 @@ def run_kernels(opts: KernelOptions, progress: Callable[[str], None] | None = No
     use_triton = triton_available(dev)
     ops = __import__("kernels.triton_ops", fromlist=["x"]) if use_triton else reference
     if dev.type == "cuda":
-        def time_fn(fn, repeats):
-            return _time_cuda(fn, repeats, opts.l2_flush)
+        def time_fn(fn, _repeats):  # a median over about 100 ms of replays, whatever repeats says
+            return _time_cuda(fn, opts.l2_flush)
     else:
         time_fn = _time_cpu
     say(f"heads of {opts.model}: Hq={hq} Hkv={hkv} D={d}; {dtype} on {dev} "

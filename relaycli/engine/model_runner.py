@@ -87,23 +87,25 @@ class ModelRunner:
         return (2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim
                 * self.dtype.itemsize)
 
+    def _free_bytes(self) -> int:
+        """Memory a new allocation on this device can take. On CUDA, blocks PyTorch caches
+        but no tensor uses (say, a prefix prefill's activations) count as taken in
+        mem_get_info: they are handed back first."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            return torch.cuda.mem_get_info(self.device)[0]
+        return _available_cpu_bytes()
+
     def _num_blocks(self, config: EngineConfig) -> int:
         per_block = self.bytes_per_block()
         if config.kv_cache_gb is not None:
             budget = config.kv_cache_gb * 1024**3
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # blocks torch caches but no tensor uses count as taken
-                free = torch.cuda.mem_get_info(self.device)[0]
-            else:
-                free = _available_cpu_bytes()
+            free = self._free_bytes()
             if budget > free:  # on the CPU an allocation this large may succeed, then be killed when touched
                 raise ValueError(f"--kv-cache-gb {config.kv_cache_gb:g} is more than the {free / 1024**3:.1f} GiB "
                                  f"free on {self.device}; lower it or leave it out")
         elif self.device.type == "cuda":
-            # Blocks PyTorch caches but no tensor uses (say, a prefix prefill's activations)
-            # count as taken in mem_get_info: hand them back first.
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free = self._free_bytes()
             # Leave room for the activations of the largest prefill step (hidden states,
             # q/k/v, the MLP's gate/up and its product, in the run dtype) and the logits.
             per_token = 4 * self.mc.hidden_size + 3 * self.mc.intermediate_size

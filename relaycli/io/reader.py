@@ -7,6 +7,7 @@ row (the job goes on); only a file that cannot be opened at all raises InputErro
 
 from __future__ import annotations
 
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
@@ -56,15 +57,26 @@ class RequestSource(ABC):
     def __len__(self) -> int:
         return self.num_rows
 
+    def content_sha256(self) -> str:
+        """sha256 of the file's bytes: what a resumed job's record pins the input by."""
+        try:
+            with open(self.path, "rb") as f:
+                return hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise InputError(f"input file {self.path} cannot be read ({e.strerror})") from None
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+
+def _lines(path: Path, digest=None) -> Iterator[tuple[int, bytes]]:
     """(line number, line) of a JSONL file, for counting and reading alike, so num_rows
     always equals the rows read. A UTF-8 BOM before the first line is not part of it.
     Lines end in LF or CRLF. A file with no LF at all, but CRs, has old Mac line endings:
-    there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace."""
+    there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace.
+    digest: a hashlib object that is fed every byte of the file on the way."""
     line_no = 0
     with open(path, "rb", buffering=1 << 20) as f:
         for physical in f:
+            if digest is not None:
+                digest.update(physical)
             # Only a first line without its LF is the whole file (iteration splits on LF).
             cr_lines = line_no == 0 and not physical.endswith(b"\n")
             if line_no == 0:
@@ -76,8 +88,9 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _refuse_wide_text(path: Path) -> None:
-    """A Parquet file read as JSONL, and UTF-16 and UTF-32 files (PowerShell 5 writes UTF-16 for `>`) split on b"\\n" into
-    pieces that are neither rows nor blank: refuse the file instead of inventing rows."""
+    """A Parquet file read as JSONL, and UTF-16 and UTF-32 files (PowerShell 5 writes UTF-16
+    for `>`), split on b"\\n" into pieces that are neither rows nor blank: refuse the file
+    instead of inventing rows."""
     with open(path, "rb") as f:
         head = f.read(4096)
     if head.startswith(b"PAR1"):
@@ -102,17 +115,21 @@ class JsonlSource(RequestSource):
 
     def __init__(self, path: Path) -> None:
         _refuse_wide_text(path)
-        num_rows, first = 0, None
-        for _, line in _lines(path):
+        num_rows, first, digest = 0, None, hashlib.sha256()
+        for _, line in _lines(path, digest):  # the counting pass also hashes, so the input is read once for both
             if not _is_blank(line):
                 num_rows += 1
                 if first is None:
                     first = line.strip()
+        self._sha256 = digest.hexdigest()
         if first in (b"[", b"{"):
             # A pretty-printed JSON document would otherwise turn into one error per line.
             raise InputError(f"{path} looks like pretty-printed JSON; relay reads JSON Lines: "
                              "one complete object on each line")
         super().__init__(path, "jsonl", num_rows)
+
+    def content_sha256(self) -> str:
+        return self._sha256
 
     def __iter__(self) -> Iterator[RawRow]:
         row_index = 0

@@ -121,7 +121,7 @@ def _complete_rows(path: Path, fmt: str) -> Iterator[tuple[str, bool]]:
                         yield i, reason == "error"
             return
         with open(path, "rb") as f:
-            for line_no, line in enumerate(f, start=1):
+            for line in f:
                 if not line.strip():
                     continue
                 row = json.loads(line)
@@ -132,6 +132,11 @@ def _complete_rows(path: Path, fmt: str) -> Iterator[tuple[str, bool]]:
     except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as e:
         raise OutputError(f"{path} exists but is not a whole relay output ({type(e).__name__}); "
                           "remove it and run the job again") from None
+
+
+def _differing_keys(job: dict, stored: dict) -> list[str]:
+    """The fields in which two job records disagree (one having a field the other lacks too)."""
+    return sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
 
 
 def _job_record_of(path: Path, fmt: str) -> dict | None:
@@ -161,7 +166,7 @@ class ResultWriter:
         self.flush_rows, self.flush_seconds, self.model_name = flush_rows, flush_seconds, model_name
         self.parts_dir = self.out_path.with_name(self.out_path.name + ".parts")
         self.dropped_parts: list[Path] = []  # unreadable parts removed on resume (their rows rerun)
-        self.is_complete = False  # resumed, and a previous run already finished OUT
+        self._complete = False  # resumed, and a previous run already finished OUT
         self._complete_checked = False
         self.error_rows = 0  # error rows of OUT, once it is finished or checked
         self.job: dict | None = None
@@ -190,7 +195,7 @@ class ResultWriter:
         for leftover in self.out_path.parent.glob(f"{TMP}{self.out_path.name}"):
             leftover.unlink()  # an OUT that a crash stopped mid-write
         if self.out_path.exists():
-            self.is_complete = True
+            self._complete = True
             return
         if not self.parts_dir.is_dir():
             return
@@ -210,7 +215,7 @@ class ResultWriter:
     @property
     def already_complete(self) -> bool:
         """A resumed job whose OUT exists: there is nothing left to do."""
-        return self.is_complete
+        return self._complete
 
     def done_row_indices(self) -> set[int]:
         return set(self._done)
@@ -221,7 +226,7 @@ class ResultWriter:
         (row_ids: the input's ids, in order; read only for a finished OUT)."""
         job = json.loads(json.dumps(job, sort_keys=True))  # compared as it is stored
         self.job = job
-        if self.is_complete:
+        if self._complete:
             self._check_complete(job, num_rows, row_ids)
             return
         record = self.parts_dir / JOB_FILE
@@ -232,7 +237,7 @@ class ResultWriter:
                 stored = {}
             if not isinstance(stored, dict):
                 stored = {}
-            differ = sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
+            differ = _differing_keys(job, stored)
             if differ:
                 raise OutputError(f"{self.parts_dir} holds answers of another job (its {', '.join(differ)} "
                                   "differ from this run's); rerun that job as it was, or remove the folder")
@@ -245,8 +250,8 @@ class ResultWriter:
         job record, this job's; counts its error rows."""
         stored = _job_record_of(self.out_path, self.fmt) if job is not None else None
         if stored is not None and stored != job:
-            differ = sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
-            raise OutputError(f"{self.out_path} holds the answers of another job (its {', '.join(differ)} "
+            differ = ", ".join(_differing_keys(job, stored))
+            raise OutputError(f"{self.out_path} holds the answers of another job (its {differ} "
                               "differ from this run's); remove it or choose another --out")
         count, errors, wanted = 0, 0, None if row_ids is None else iter(row_ids)
         for row_id, is_error in _complete_rows(self.out_path, self.fmt):
@@ -327,7 +332,7 @@ class ResultWriter:
 
     def finalize(self, num_rows: int) -> None:
         """Merge all parts into OUT in row order, atomically; every row exactly once or OutputError."""
-        if self.is_complete:
+        if self._complete:
             if not self._complete_checked:
                 self._check_complete(None, num_rows, None)
         else:
