@@ -34,6 +34,15 @@ from kernels.triton_plan import is_sm90
 
 LOG2E = 1.4426950408889634
 WS_BLOCK_M = 128  # query rows of a warp-specialised program: two consumer warpgroups of 64
+WS_REGS = 168  # its launch's register cap: 12 warps x 168 x 32 threads fill an SM's 64K registers
+WS_PRODUCER_REGS = 24
+
+
+def ws_consumer_regs(ws_regs: int) -> int:
+    """Registers a thread of each consumer warpgroup gets when the launch is capped at ws_regs:
+    the 12 warps' share less the producer warpgroup's, halved, in steps of 8 (setmaxnreg's)."""
+    assert 24 <= ws_regs <= 255, f"ws_regs must be 24..255, got {ws_regs}"
+    return min(240, (12 * ws_regs - 4 * WS_PRODUCER_REGS) // 8 // 8 * 8)
 
 
 @gluon.jit
@@ -225,7 +234,7 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
                          stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                          G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr, WS: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """grid (cdiv(n*G, BLOCK_M), Hkv, splits).
 
     WS False: every warp computes, and the warps issue their own TMA. WS True (BLOCK_M 128,
@@ -257,8 +266,9 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
         col = h * D
         row0 = pid_m * BLOCK_M
         # Tuples written out whole: constexprs keep their kind only as literal members.
-        # Registers: 12 warps at the launch's 168 fill the register file; the producer keeps
-        # 24 and the consumers take 240 each.
+        # Registers: the launch's cap (ws_regs) times 12 warps is the program's share of the
+        # register file; the producer keeps 24 and the consumers split the rest
+        # (ws_consumer_regs: 240 each at the default cap of 168, which fills the file).
         gl.warp_specialize([
             (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                             k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
@@ -270,7 +280,7 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
                             G, D, BLOCK_N, STAGES, HAS_ROWS)),
             (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                             STAGES, BLOCK_N)),
-        ], [4, 1], [240, 24])
+        ], [4, 1], [CONSUMER_REGS, 24])
     else:
         # Q first: its layout conversion's scratch is then free again for the K/V ring (8-16
         # KiB less shared memory a program, which the context programs beside it can use)
@@ -303,10 +313,13 @@ def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
 def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                                 o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
                                 num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3,
-                                trigger: bool = False, ws: bool = False) -> None:
+                                trigger: bool = False, ws: bool = False, ws_regs: int = WS_REGS):
     """q [N, Hq, D]; k_sys/v_sys [S, Hkv, D] contiguous; o_part [splits, N, Hq, D]; lse_part [splits, N, Hq].
 
     ws: the warp-specialised kernel (block_m 128: two consumer warpgroups and a TMA warp).
+    ws_regs: its launch's register cap a thread; at the default it claims a whole SM's
+    register file, lower caps leave room for other kernels' programs beside it.
+    Returns the launched kernel (its n_regs and n_spills tell whether the cap holds).
     The caller (system_attention_into) has checked shapes; this checks what only the Gluon
     kernels need.
     """
@@ -326,8 +339,9 @@ def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: tor
     args = (q, k_desc, v_desc, rows if rows is not None else q, o_part, lse_part, n_q, seq_len, per, scale * LOG2E,
             q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1))
-    # the warp-specialised program's register split needs the launch capped at 168 (12 warps)
-    extra = dict(maxnreg=168) if ws else {}
-    _gluon_system_kernel[grid](*args, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                               HAS_ROWS=rows is not None, TRIGGER=trigger, WS=ws,
-                               num_warps=4 if ws else block_m // 16, **extra)
+    # the warp-specialised program's register split needs the launch capped (12 warps)
+    extra = dict(maxnreg=ws_regs) if ws else {}
+    return _gluon_system_kernel[grid](*args, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                                      HAS_ROWS=rows is not None, TRIGGER=trigger, WS=ws,
+                                      CONSUMER_REGS=ws_consumer_regs(ws_regs), num_warps=4 if ws else block_m // 16,
+                                      **extra)

@@ -187,8 +187,14 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                    stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
                    stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
                    BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD, WAIT_SYS)
-    if WAIT_SYS:  # every program waits, those that returned early too: the system kernel is
-        gdc_wait()  # then done when this one is, for whatever the stream runs next
+    if WAIT_SYS:
+        if HAS_SYS:  # every program waits, those that returned early too: the system kernel is
+            gdc_wait()  # then done when this one is, for whatever the stream runs next
+        elif (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            # no fold: the programs write their partial and leave, so their slots go to the
+            # next ones while the system kernel still runs; the first program alone waits
+            # for it, which makes this kernel complete only after the system kernel has
+            gdc_wait()
 
 
 def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -277,10 +283,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
     last ones may be short or empty: (0, -inf)). read_ahead: without a config, let
     paged_config pick read-ahead tiles for a small grid (relay's context step, where it
-    was timed; pass the same to context_splits). wait_sys: with sys_part, on CUDA, launch as
-    a programmatic dependent (PDL) of the kernel just before on the stream, which wrote
-    sys_part and let its dependents launch (system_attention_into's trigger): the own keys
-    are read while it runs, the fold waits for it.
+    was timed; pass the same to context_splits). wait_sys: on CUDA, launch as a programmatic
+    dependent (PDL) of the kernel just before on the stream, which let its dependents launch
+    (system_attention_into's trigger): the own keys are read while it runs. With sys_part
+    (which that kernel writes) the fold waits for it; without, the partials are written at
+    once and only the first program waits, so that this kernel ends after that one.
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -289,7 +296,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert num_splits >= 1, f"num_splits must be at least 1, got {num_splits}"
     assert split_base + num_splits <= out.shape[0], "out has too few split slots"
     assert sys_part is None or num_splits == 1, "the relay epilogue needs the whole context range in one program"
-    assert not wait_sys or (sys_part is not None and q.is_cuda), "wait_sys needs sys_part, on CUDA"
+    assert not wait_sys or q.is_cuda, "wait_sys needs CUDA"
     if lse is not None:
         assert lse.shape == out.shape[:3] and lse.dtype == torch.float32 and lse.stride(-1) == 1
     if prefix is not None:

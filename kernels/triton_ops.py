@@ -41,7 +41,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          overlap: bool | None = None, system_side: bool | None = None,
                          resident: bool | None = None,
                          one_grid: bool = False, grid_config: dict | None = None,
-                         side_stream: torch.cuda.Stream | None = None, pdl: bool = False) -> torch.Tensor:
+                         side_stream: torch.cuda.Stream | None = None, pdl: bool = False,
+                         pdl_merge: bool = False) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -70,6 +71,9 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     wait for it only to fold its partials in, so there is no merge kernel, no side stream
     and no context partial. Other steps take the paths above. H200, fifteenth session: 0-8%
     slower than the overlap alone, the same in whole jobs (docs/kernels.md); not the default.
+    pdl_merge: with pdl, the context kernel writes a partial instead of folding (its programs
+    then never wait, so their slots turn over while the system kernel runs) and the merge
+    kernel finishes.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
@@ -91,7 +95,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
         return out[0]
     one_grid = one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1
-    extra = c_splits if c_splits > 1 or overlap or one_grid else 0
+    extra = c_splits if c_splits > 1 or overlap or one_grid or (pdl and pdl_merge) else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
     if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
@@ -111,7 +115,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
-                        num_splits=c_splits, config=ctx_config, read_ahead=True)
+                        num_splits=c_splits, config=ctx_config, read_ahead=True, wait_sys=pdl)
 
     if not extra:  # the fused path: the context epilogue merges the system partials, o written once
         system_step()

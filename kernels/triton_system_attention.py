@@ -262,13 +262,14 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     cfg.pop("per_sm", None)
     gluon = cfg.pop("gluon", False)
     ws = cfg.pop("ws", False)
+    ws_kw = {"ws_regs": cfg.pop("ws_regs")} if "ws_regs" in cfg else {}
     if gluon is None:  # as tma=None: inside CUDA-graph capture, where descriptors cost no host time
         gluon = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if gluon and gluon_usable(q, k_sys, v_sys):
         from kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
                                     cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], trigger=trigger,
-                                    ws=ws is not False)
+                                    ws=ws is not False, **ws_kw)
         return
     if ws is not False:  # the warp-specialised tile is Gluon's alone; Triton takes its decode tile
         cfg.update({key: DECODE_TILE[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})

@@ -6,6 +6,7 @@ Inputs are fresh random draws on every run.
 """
 
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -392,6 +393,8 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True),
                            want_relay),
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True), want_relay),
+                          (relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True, pdl_merge=True),
+                           want_relay),
                           (prefix_paged_attention(q, kc, vc, meta, prefixes, scale),
                            ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale))):
         assert rel_err(got, want_ref) < TOL[dtype]
@@ -402,12 +405,14 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [8, 64, 256])
-def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch):
+@pytest.mark.parametrize("pdl_merge", [False, True])
+def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch, pdl_merge):
     """A decode step with the context kernel a programmatic dependent of the system kernel
-    (pdl=True: one stream, the merge in the context epilogue) gives the relay reference,
+    (pdl=True: one stream, the merge in the context epilogue; pdl_merge: a context partial
+    and the merge kernel, only the first context program waiting) gives the relay reference,
     launched eagerly and replayed from a CUDA graph (the Gluon system kernel), and the same
-    graph replayed on new inputs gives their answer: the fold waits for this step's
-    system partials."""
+    graph replayed on new inputs gives their answer: the fold (or the merge) sees this
+    step's system partials."""
     rng = random.Random()
     ctx = [rng.randint(1, 900) for _ in range(batch)]
     q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * batch, ctx_lens=ctx, prefix_of=[0] * batch,
@@ -418,12 +423,13 @@ def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch):
     def want():
         qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
         return ref.relay_attention(qf, kf, vf, meta, pf, scale)
-    assert rel_err(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True), want()) < TOL[dtype]
+    step = functools.partial(relay_attention_with, q, kc, vc, meta, prefixes, scale, pdl=True, pdl_merge=pdl_merge)
+    assert rel_err(step(), want()) < TOL[dtype]
     out = torch.empty_like(q)
     for _ in range(2):  # the first capture compiles what runs only under capture (the Gluon kernel)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True))
+            out.copy_(step())
     for _ in range(2):
         q.copy_(torch.randn_like(q))
         for k, v in prefixes:  # the system step's inputs change too
@@ -503,6 +509,20 @@ def test_gpu_short_context_tile_with_its_register_cap_gives_the_same_bits(dtype)
     assert rel_err(outs[0][0][0], want) < TOL[dtype]
 
 
+def test_ws_register_caps_split_what_the_launch_claims():
+    """The warp-specialised program's consumers get what 12 warps at the cap hold, less the
+    producer warpgroup's 24, in steps of 8; the default cap fills the register file."""
+    from kernels.gluon_system_attention import WS_REGS, ws_consumer_regs
+    assert 12 * WS_REGS * 32 <= 64 * 1024 < 12 * (WS_REGS + 8) * 32 and ws_consumer_regs(WS_REGS) == 240
+    for cap in range(48, 256, 8):
+        regs = ws_consumer_regs(cap)
+        assert regs % 8 == 0 and 8 * regs + 4 * 24 <= 12 * cap, cap
+        assert regs == 240 or 8 * (regs + 8) + 4 * 24 > 12 * cap, cap  # the most that fits
+    assert ws_consumer_regs(128) == 176
+    with pytest.raises(AssertionError):
+        ws_consumer_regs(300)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -518,12 +538,13 @@ def test_gpu_system_attention_large(dtype):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile", [(64, 64, 3, False), (64, 128, 2, False), (128, 128, 2, False),
-                                  (128, 64, 3, True), (128, 128, 2, True)])
+@pytest.mark.parametrize("tile", [(64, 64, 3, False, None), (64, 128, 2, False, None), (128, 128, 2, False, None),
+                                  (128, 64, 3, True, None), (128, 128, 2, True, None), (128, 64, 3, True, 128)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
-    """The Hopper Gluon kernels (ws: the warp-specialised one): random GQA shapes, ragged and
-    empty chunks, scattered rows, programs whose second warpgroup has no rows."""
+    """The Hopper Gluon kernels (ws: the warp-specialised one, also capped at 128 registers):
+    random GQA shapes, ragged and empty chunks, scattered rows, programs whose second
+    warpgroup has no rows."""
     import kernels.gluon_system_attention as gluon
     from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
     probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
@@ -533,7 +554,7 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
     real = gluon.gluon_system_attention_into
     monkeypatch.setattr(gluon, "gluon_system_attention_into", lambda *a, **k: calls.append(1) or real(*a, **k))
     rng = random.Random()
-    block_m, block_n, stages, ws = tile
+    block_m, block_n, stages, ws, ws_regs = tile
     for _ in range(4):
         hkv, group = rng.choice([1, 2, 8]), rng.choice([1, 3, 4])
         n, s = rng.randint(1, 300), rng.choice([1, 63, 64, 65, rng.randint(2, 5000)])
@@ -544,7 +565,7 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
         o_part = torch.full((splits, n, hkv * group, head_dim), float("nan"), device="cuda")
         lse_part = torch.full((splits, n, hkv * group), float("nan"), device="cuda")
         cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if ws else block_m // 16, num_stages=stages,
-                   gluon=True, ws=ws)
+                   gluon=True, ws=ws, **({} if ws_regs is None else dict(ws_regs=ws_regs)))
         system_attention_into(q, k, v, head_dim ** -0.5, o_part, lse_part, rows, splits, cfg)
         assert calls, "the call did not take the Gluon kernel"
         calls.clear()
