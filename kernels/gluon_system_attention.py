@@ -280,7 +280,7 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
                             G, D, BLOCK_N, STAGES, HAS_ROWS)),
             (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                             STAGES, BLOCK_N)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        ], [4, 1], [CONSUMER_REGS, 24])  # 24: WS_PRODUCER_REGS, which ws_consumer_regs leaves it
     else:
         # Q first: its layout conversion's scratch is then free again for the K/V ring (8-16
         # KiB less shared memory a program, which the context programs beside it can use)
