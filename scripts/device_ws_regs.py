@@ -22,6 +22,7 @@ Usage: python scripts/device_ws_regs.py [--shapes llama3-8b:256 llama3-8b:64 ...
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -41,7 +42,7 @@ from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_plan import WS_TILE, num_sms  # noqa: E402
 from kernels.triton_system_attention import merge_partials  # noqa: E402
 
-# (cap, BLOCK_N, stages) of the warp-specialised kernel; the eighteen-variant sweep of the
+# (cap, BLOCK_N, stages) of the warp-specialised kernel; the twelve-variant sweep of the
 # twentieth session's first call found 64-key tiles spill-free down to a cap of 128
 SYS_VARIANTS = ((168, 128, 2), (168, 64, 3), (136, 64, 3), (128, 64, 3), (128, 64, 4), (120, 64, 3))
 CTX = [None] + [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=2, per_sm=4, heads_fast=True, maxnreg=r)
@@ -89,7 +90,7 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
     def relay_step(**kw):
         fn = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
         dk.check(f"{case} relay {kw}", fn(), want_o)
-        return dk.bench_both_us(fn, both=False)[0]
+        return dk.bench_us(fn)
 
     record("relay planned", relay_step(), floor_us(sys_bytes + own_bytes, flops_all), config="engine's plan")
     for cap, block_n, stages in SYS_VARIANTS:
@@ -98,15 +99,13 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
         try:
             o_p = torch.empty(splits, batch, hq, d, device=dev)
             l_p = torch.empty(splits, batch, hq, device=dev)
-            kernel = gluon_system_attention_into(q, k_sys, v_sys, scale, o_p, l_p, rows_idx, splits, 128,
-                                                 block_n, stages, ws=True, ws_regs=cap)
+            launch = functools.partial(gluon_system_attention_into, q, k_sys, v_sys, scale, o_p, l_p, rows_idx,
+                                       splits, 128, block_n, stages, ws=True, ws_regs=cap)
+            kernel = launch()
             dk.check(f"{case} system {label}", merge_partials(o_p, l_p, q.dtype)[0], want_so)
             regs = dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
                         smem=getattr(getattr(kernel, "metadata", None), "shared", None))
-            t = dk.bench_both_us(lambda: gluon_system_attention_into(  # noqa: B023
-                q, k_sys, v_sys, scale, o_p, l_p, rows_idx, splits, 128, block_n, stages, ws=True,  # noqa: B023
-                ws_regs=cap), both=False)[0]  # noqa: B023
-            record("system", t, floor_us(sys_bytes, flops_sys), splits=splits, **label, **regs)
+            record("system", dk.bench_us(launch), floor_us(sys_bytes, flops_sys), splits=splits, **label, **regs)
             for ctx in CTX:
                 for mode, kw in MODES.items():
                     t = relay_step(sys_config=cfg, sys_splits=splits, ctx_config=ctx, **kw)
