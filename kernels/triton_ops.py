@@ -15,7 +15,6 @@ import triton
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
-from kernels.triton_context_persistent import persistent_decode_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
 from kernels.triton_plan import DECODE_TILE, matrix_bound, resident_splits, split_plan, system_config
@@ -75,19 +74,12 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pdl_merge: with pdl, the context kernel writes a partial instead of folding (its programs
     then never wait, so their slots turn over while the system kernel runs) and the merge
     kernel finishes.
-    ctx_config with persistent=True: a decode step's own keys go through the persistent
-    context kernel (kernels/triton_context_persistent.py, the rest of the dict its tile),
-    which always writes a partial (with pdl, as pdl_merge); other steps ignore the key.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
-    persistent = bool(ctx_config and ctx_config.get("persistent")) and meta.is_decode and meta.max_seqlen_q == 1
-    if ctx_config and "persistent" in ctx_config and not persistent:
-        ctx_config = None  # a prefill step: the paged kernel's own plan
-    pdl_merge = pdl_merge or persistent
-    c_splits = 1 if persistent else context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
+    c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
@@ -100,11 +92,10 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     overlap = overlap and bool(groups) and not pdl
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
-        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=None if persistent else ctx_config,
-                        read_ahead=True)
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
         return out[0]
     one_grid = one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1
-    extra = c_splits if c_splits > 1 or overlap or one_grid or (pdl and pdl_merge) or persistent else 0
+    extra = c_splits if c_splits > 1 or overlap or one_grid or (pdl and pdl_merge) else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
     if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
@@ -123,10 +114,6 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                   trigger=pdl and i == len(groups) - 1)
 
     def context_step():
-        if persistent:
-            persistent_decode_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, slot=s_splits,
-                                        config=ctx_config, wait_sys=pdl)
-            return
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
                         num_splits=c_splits, config=ctx_config, read_ahead=True, wait_sys=pdl)
 

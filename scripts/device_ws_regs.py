@@ -16,12 +16,7 @@ each context tile and register cap, and the step as the engine plans it today. E
 variant is checked against kernels/reference.py. Times: median over CUDA-graph replays,
 the L2 emptied clean before each (relaycli/bench/timing.py). Writes ws_regs.json to $OUT.
 
---persistent adds the persistent context kernel (kernels/triton_context_persistent.py,
-one loop over (sequence, head, key tile) a program, about one program an SM) as context
-variants, and times every context variant alone as well.
-
 Usage: python scripts/device_ws_regs.py [--shapes llama3-8b:256 llama3-8b:64 ...]
-           [--sys 128:64:3 ...] [--persistent] [--no-paged]
 """
 
 from __future__ import annotations
@@ -43,8 +38,6 @@ import triton  # noqa: E402
 import device_kernels as dk  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.gluon_system_attention import gluon_system_attention_into, ws_consumer_regs  # noqa: E402
-from kernels.triton_context_attention import paged_attention  # noqa: E402
-from kernels.triton_context_persistent import persistent_decode_attention  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_plan import WS_TILE, num_sms  # noqa: E402
 from kernels.triton_system_attention import merge_partials  # noqa: E402
@@ -52,20 +45,8 @@ from kernels.triton_system_attention import merge_partials  # noqa: E402
 # (cap, BLOCK_N, stages) of the warp-specialised kernel; the twelve-variant sweep of the
 # twentieth session's first call found 64-key tiles spill-free down to a cap of 128
 SYS_VARIANTS = ((168, 128, 2), (168, 64, 3), (136, 64, 3), (128, 64, 3), (128, 64, 4), (120, 64, 3))
-PAGED_CTX = [None] + [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=2, per_sm=4, heads_fast=True, maxnreg=r)
-                      for n, w, r in ((32, 2, 128), (32, 1, 128), (64, 4, 96))]
-# (BLOCK_N, warps, stages, register cap, programs an SM); compiled for sm_90, 4 stages keep
-# three K/V tiles in flight (68 KiB of shared memory at 32 keys), 5 stages four (88 KiB)
-PERSISTENT_CTX = [dict(persistent=True, BLOCK_N=n, num_warps=w, num_stages=st, maxnreg=r, programs_per_sm=k)
-                  for n, w, st, r, k in ((32, 4, 4, 128, 1), (32, 4, 5, 128, 1), (32, 2, 4, 128, 2),
-                                         (16, 4, 6, 128, 1))]
-
-
-def ctx_label(ctx: dict | None) -> str | None:
-    if ctx is None:
-        return None
-    kind = f"p{ctx['programs_per_sm']} s{ctx['num_stages']} " if ctx.get("persistent") else ""
-    return f"{kind}n{ctx['BLOCK_N']} w{ctx['num_warps']} r{ctx['maxnreg']}"
+CTX = [None] + [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=2, per_sm=4, heads_fast=True, maxnreg=r)
+                for n, w, r in ((32, 2, 128), (32, 1, 128), (64, 4, 96))]
 # how the two kernels of the step are launched: side stream, PDL folding in the epilogue,
 # PDL writing a partial for the merge kernel
 MODES = {"overlap": dict(overlap=True, system_side=True), "pdl fold": dict(pdl=True),
@@ -80,8 +61,7 @@ def splits_for(programs: int, dev) -> int:
     return s
 
 
-def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list,
-              sys_variants, ctx_variants) -> None:
+def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list) -> None:
     hq, hkv, d = dk.HEADS[name]
     q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev)
     scale = d ** -0.5
@@ -113,20 +93,7 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
         return dk.bench_us(fn)
 
     record("relay planned", relay_step(), floor_us(sys_bytes + own_bytes, flops_all), config="engine's plan")
-    want_co, _ = ref.context_attention(q.float(), kc.float(), vc.float(), meta, scale)
-    for ctx in ctx_variants:  # the context step alone, into a partial as the overlapped step writes it
-        o_c = torch.empty(1, batch, hq, d, device=dev)
-        l_c = torch.empty(1, batch, hq, device=dev)
-        if ctx is not None and ctx.get("persistent"):
-            launch = functools.partial(persistent_decode_attention, q, kc, vc, meta, scale, out=o_c, lse=l_c,
-                                       slot=0, config=ctx)
-        else:
-            launch = functools.partial(paged_attention, q, kc, vc, meta, scale, out=o_c, lse=l_c, config=ctx,
-                                       read_ahead=True)
-        launch()
-        dk.check(f"{case} context {ctx_label(ctx)}", o_c[0], want_co)
-        record("context", dk.bench_us(launch), floor_us(own_bytes, 4 * batch * hq * own * d), ctx=ctx_label(ctx))
-    for cap, block_n, stages in sys_variants:
+    for cap, block_n, stages in SYS_VARIANTS:
         cfg = dict(WS_TILE, BLOCK_N=block_n, num_stages=stages, ws_regs=cap, gluon=True, tma=True)
         label = dict(cap=cap, consumer_regs=ws_consumer_regs(cap), block_n=block_n, stages=stages)
         try:
@@ -139,13 +106,12 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
             regs = dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
                         smem=getattr(getattr(kernel, "metadata", None), "shared", None))
             record("system", dk.bench_us(launch), floor_us(sys_bytes, flops_sys), splits=splits, **label, **regs)
-            for ctx in ctx_variants:
+            for ctx in CTX:
                 for mode, kw in MODES.items():
-                    if mode == "pdl fold" and ctx is not None and ctx.get("persistent"):
-                        continue  # the persistent kernel always writes a partial: pdl merge
                     t = relay_step(sys_config=cfg, sys_splits=splits, ctx_config=ctx, **kw)
                     record(f"relay {mode}", t, floor_us(sys_bytes + own_bytes, flops_all), splits=splits,
-                           **label, ctx=ctx_label(ctx))
+                           **label, ctx=None if ctx is None else
+                           f"n{ctx['BLOCK_N']} w{ctx['num_warps']} r{ctx['maxnreg']}")
         except Exception as exc:  # noqa: BLE001 - a cap that does not compile is a result too
             print(f"{case} {label} failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
             traceback.print_exc()
@@ -157,12 +123,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b:256", "llama3-8b:64"])
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--own", type=int, default=128)
-    ap.add_argument("--sys", nargs="+", default=None, help="cap:BLOCK_N:stages of the warp-specialised kernel")
-    ap.add_argument("--persistent", action="store_true", help="add the persistent context kernel's variants")
-    ap.add_argument("--no-paged", action="store_true", help="leave out the paged context variants but the plan's")
     args = ap.parse_args()
-    sys_variants = [tuple(map(int, v.split(":"))) for v in args.sys] if args.sys else SYS_VARIANTS
-    ctx_variants = ([None] if args.no_paged else PAGED_CTX) + (PERSISTENT_CTX if args.persistent else [])
     dev = torch.device("cuda")
     ceil = dk.ceilings(dev)
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} "
@@ -172,7 +133,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:  # the JSON is rewritten after every shape, so a cut-off run keeps what it did
         name, batch = shape.split(":")
-        run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows, sys_variants, ctx_variants)
+        run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows)
         (out_dir / "ws_regs.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
                                                               rows=rows, checks=dk.checks), indent=1))
     bad = [c for c in dk.checks if not c["ok"]]

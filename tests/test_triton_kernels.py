@@ -21,8 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 _MODULES = ["kernels.triton_system_attention", "kernels.triton_context_attention",
-            "kernels.triton_paged_decode", "kernels.triton_relay_grid", "kernels.triton_context_persistent",
-            "kernels.triton_ops"]
+            "kernels.triton_paged_decode", "kernels.triton_relay_grid", "kernels.triton_ops"]
 # @triton.jit picks interpreter or compiler at import: re-import modules someone loaded earlier
 for _name in _MODULES:
     if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
@@ -30,7 +29,6 @@ for _name in _MODULES:
 
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
-from kernels.triton_context_persistent import PERSISTENT_TILE, persistent_decode_attention  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
 from kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
 from kernels.triton_relay_grid import relay_grid_into  # noqa: E402
@@ -158,7 +156,7 @@ def test_context_splits_cut_each_sequence_into_balanced_chunks(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("mode", ["default", "split", "fused-6", "overlap", "overlap-system-side",
-                                  "overlap-context-first", "persistent"])
+                                  "overlap-context-first"])
 def test_relay_attention(dtype, decode, mode):
     rng = random.Random()
     shape = shapes(rng, decode)
@@ -176,9 +174,6 @@ def test_relay_attention(dtype, decode, mode):
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True, resident=True)
     elif mode == "overlap-context-first":  # the context kernel first, the system split for two programs an SM
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=False, resident=False)
-    elif mode == "persistent":  # decode: the persistent context kernel's partial; prefill: the paged kernel
-        got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True,
-                                   ctx_config=dict(persistent=True, BLOCK_N=16))
     else:
         got = relay_attention(q, kc, vc, meta, prefixes, scale)
     assert got.shape == q.shape and got.dtype == dtype
@@ -248,53 +243,6 @@ def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits
     assert torch.equal(lse[0, 0].cpu(), torch.tensor(float("-inf"))) and torch.all(o[0, 0] == 0)
     assert torch.allclose(lse.cpu().double(), want_lse, atol=1e-5, rtol=1e-5)
     assert torch.allclose(o.cpu().double(), want_o, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_persistent_context_kernel_walks_every_item_across_program_boundaries(dtype):
-    """The persistent decode kernel gives each row's own-key attention (o, lse) in its slot
-    alone, for any grid: fewer programs than items (a program's loop crosses sequences and
-    heads, its state restarting at each item), more programs than items, one program; rows
-    of every length, including one past several key tiles and padding rows of length 0
-    (o = 0, lse = -inf, nothing read)."""
-    rng = random.Random()
-    shape = shapes(rng, decode=True)
-    shape["ctx_lens"] = [rng.randint(1, 70) for _ in shape["ctx_lens"]]
-    q, kc, vc, _, meta, scale = make(shape, dtype)
-    num_seqs = meta.num_seqs
-    pad = rng.sample(range(num_seqs), rng.randint(0, num_seqs - 1))
-    meta.context_lens[pad] = 0
-    real = [b for b in range(num_seqs) if b not in pad]
-    want_o, want_lse = ref.context_attention(q.float(), kc.float(), vc.float(), meta, scale)
-    items = num_seqs * kc.shape[2]
-    for programs in (1, max(1, items // 3), items + 2):
-        out = torch.full((3, *q.shape), 7.0, device=DEVICE)
-        lse = torch.full((3, *q.shape[:2]), 7.0, device=DEVICE)
-        persistent_decode_attention(q, kc, vc, meta, scale, out=out, lse=lse, slot=1,
-                                    config=dict(BLOCK_N=rng.choice([16, 32]), num_programs=programs))
-        assert torch.all(out[0] == 7) and torch.all(out[2] == 7) and torch.all(lse[0] == 7), "another slot written"
-        assert rel_err(out[1, real], want_o[real]) < TOL[dtype], programs
-        assert torch.allclose(lse[1, real], want_lse[real], atol=1e-4, rtol=1e-5), programs
-        assert torch.all(out[1, pad] == 0) and torch.all(lse[1, pad] == float("-inf")), programs
-
-
-def test_persistent_context_kernel_refuses_what_it_does_not_serve():
-    q, kc, vc, _, meta, scale = make(dict(shapes(random.Random(), decode=False), q_lens=[2, 1], ctx_lens=[5, 3],
-                                          prefix_of=[2, 2]), torch.float32)
-    out = torch.empty(1, *q.shape)
-    lse = torch.empty(1, *q.shape[:2])
-    with pytest.raises(AssertionError, match="decode"):
-        persistent_decode_attention(q, kc, vc, meta, scale, out=out, lse=lse, slot=0)
-    q, kc, vc, _, meta, scale = make(dict(shapes(random.Random(), decode=True), q_lens=[1], ctx_lens=[5],
-                                          prefix_of=[2]), torch.float32)
-    with pytest.raises(AssertionError, match="slot 1"):
-        persistent_decode_attention(q, kc, vc, meta, scale, out=torch.empty(1, *q.shape),
-                                    lse=torch.empty(1, *q.shape[:2]), slot=1)
-    with pytest.raises(AssertionError, match="fp32"):
-        persistent_decode_attention(q, kc, vc, meta, scale, out=torch.empty(1, *q.shape, dtype=torch.float16),
-                                    lse=torch.empty(1, *q.shape[:2]), slot=0)
-    assert PERSISTENT_TILE["num_warps"] * PERSISTENT_TILE["maxnreg"] <= 512, \
-        "the default tile must fit beside the warp-specialised kernel at ws_regs=128"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -457,7 +405,7 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [8, 64, 256])
-@pytest.mark.parametrize("pdl_merge", [False, True, "persistent"])
+@pytest.mark.parametrize("pdl_merge", [False, True])
 def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch, pdl_merge):
     """A decode step with the context kernel a programmatic dependent of the system kernel
     (pdl=True: one stream, the merge in the context epilogue; pdl_merge: a context partial
@@ -475,12 +423,7 @@ def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch, pdl_merge):
     def want():
         qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
         return ref.relay_attention(qf, kf, vf, meta, pf, scale)
-    # persistent: the persistent context kernel as the dependent, beside a capped warp-specialised system kernel
-    extra = dict(ctx_config=dict(PERSISTENT_TILE, persistent=True),
-                 sys_config=dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=1, gluon=True, tma=True,
-                                 ws=True, ws_regs=128)) if pdl_merge == "persistent" else {}
-    step = functools.partial(relay_attention_with, q, kc, vc, meta, prefixes, scale, pdl=True,
-                             pdl_merge=bool(pdl_merge), **extra)
+    step = functools.partial(relay_attention_with, q, kc, vc, meta, prefixes, scale, pdl=True, pdl_merge=pdl_merge)
     assert rel_err(step(), want()) < TOL[dtype]
     out = torch.empty_like(q)
     for _ in range(2):  # the first capture compiles what runs only under capture (the Gluon kernel)
