@@ -113,9 +113,15 @@ def inspect_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Show what an artifact holds and whether its checksum is intact."""
+    from relaycli.artifact import ArtifactError
     from relaycli.ui import inspect_artifact
     with _user_errors():
-        info = inspect_artifact(path, as_json)
+        try:
+            info = inspect_artifact(path, as_json)
+        except ArtifactError as exc:  # a script reading --json gets the refusal as JSON too (exit 2)
+            if as_json:
+                typer.echo(json.dumps({"path": str(path), "readable": False, "error": str(exc)}, indent=2))
+            raise
     if as_json:
         typer.echo(json.dumps(info, indent=2))
     if not info["checksum_ok"]:

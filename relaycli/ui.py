@@ -74,7 +74,8 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
         art = read_artifact(path, verify_checksum=False)
     meta = art.meta
     info = {
-        "path": str(path), "format_version": meta["format_version"], "relay_version": meta["relay_version"],
+        "path": str(path), "readable": True, "format_version": meta["format_version"],
+        "relay_version": meta["relay_version"],
         "model": meta["model_reference"], "model_fingerprint": meta["model_fingerprint"],
         "tokens": art.num_tokens, "dtype": meta["dtype"], "layers": meta["num_layers"],
         "kv_heads": meta["num_kv_heads"], "head_dim": meta["head_dim"], "rope": meta["rope"],

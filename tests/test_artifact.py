@@ -121,6 +121,7 @@ def test_flipped_byte_is_refused(compiled, tmp_path):
         read_artifact(bad)
     result = CliRunner().invoke(app, ["inspect", str(bad), "--json"])
     assert result.exit_code == 1 and json.loads(result.stdout)["checksum_ok"] is False
+    assert json.loads(result.stdout)["readable"] is True  # flagged, but what it holds is shown
 
 
 _DROP = object()
@@ -377,6 +378,11 @@ def test_malformed_metadata_is_one_sentence(compiled, tmp_path, kwargs, field):
     result = CliRunner().invoke(app, ["inspect", str(bad)])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert "recompile it" in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    # with --json the refusal is on stdout too, as an object a script can read (exit 2)
+    result = CliRunner().invoke(app, ["inspect", str(bad), "--json"])
+    assert result.exit_code == 2, result.output
+    info = json.loads(result.stdout)
+    assert info["readable"] is False and info["path"] == str(bad) and field in info["error"], info
 
 
 @pytest.mark.parametrize("head", [b'"abc"', b"[1]", b"5", b'{"__metadata__": "relay"}', b"[" * 100000])

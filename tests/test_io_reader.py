@@ -1,6 +1,7 @@
 """Streaming readers: JSONL and Parquet rows, nested columns, nulls, malformed and blank lines."""
 
 import json
+import random
 from pathlib import Path
 
 import pyarrow as pa
@@ -176,6 +177,36 @@ def test_parquet_streams_in_batches(tmp_path):
         assert raw == {"prompt": f"q{i}"} and err is None
         seen += 1
     assert seen == n
+
+
+def test_a_damaged_parquet_row_group_costs_only_its_own_rows(tmp_path):
+    """Rows of a row group whose pages cannot be decoded become error rows naming the
+    group and its rows; the groups before and after it are read as usual, and every row
+    of the file comes out once, in order."""
+    n, per = 12, 4
+    path = tmp_path / "r.parquet"
+    pq.write_table(pa.table({"prompt": [f"question number {i} " * 4 for i in range(n)]}), path,
+                   row_group_size=per, compression="none")
+    damaged = random.choice([1, 2])  # not the first: the first rows must still read
+    column = pq.ParquetFile(path).metadata.row_group(damaged).column(0)
+    data = bytearray(path.read_bytes())
+    for i in range(column.data_page_offset + 1, column.data_page_offset + 120):  # the page header and data
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    src = open_requests(path)
+    assert src.num_rows == n
+    raws = list(src)
+    assert [i for i, _, _ in raws] == list(range(n))
+    lost = range(damaged * per, (damaged + 1) * per)
+    for i, raw, err in raws:
+        if i in lost:
+            assert raw is None and err.startswith(f"row {i}: Parquet row group {damaged + 1} of 3 "
+                                                  f"(rows {lost[0]}-{lost[-1]}) could not be read"), err
+            assert "rewrite the file" in err and "\n" not in err
+        else:
+            assert err is None and raw == {"prompt": f"question number {i} " * 4}
+    rows = list(read_requests(open_requests(path)))
+    assert len(rows) == n and [isinstance(r, RequestRow) for r in rows] == [i not in lost for i in range(n)]
 
 
 def test_format_override_and_detection(tmp_path):

@@ -165,7 +165,11 @@ def _drop_nulls(row: dict) -> dict:
 
 
 class ParquetSource(RequestSource):
-    """Parquet rows as dicts; nested columns (list<struct>, list<string>) come out as lists."""
+    """Parquet rows as dicts; nested columns (list<struct>, list<string>) come out as lists.
+
+    Read one row group at a time: a group that cannot be decoded (damaged pages) gives an
+    error row for each of its rows that was not read yet, and the next group is read, so
+    a damaged group costs only its own rows and no row goes missing."""
 
     def __init__(self, path: Path) -> None:
         try:
@@ -175,15 +179,26 @@ class ParquetSource(RequestSource):
         super().__init__(path, "parquet", num_rows)
 
     def __iter__(self) -> Iterator[RawRow]:
-        row_index = 0
         try:
-            with pq.ParquetFile(self.path) as pf:
-                for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-                    for row in batch.to_pylist():
-                        yield row_index, _drop_nulls(row), None
-                        row_index += 1
+            pf = pq.ParquetFile(self.path)
         except (pa.ArrowException, OSError) as e:
-            raise InputError(f"{self.path} could not be read past row {row_index} ({_first_line(e)})") from None
+            raise InputError(f"{self.path} is not a readable Parquet file ({_first_line(e)})") from None
+        with pf:
+            num_groups = pf.metadata.num_row_groups
+            row_index = 0
+            for group in range(num_groups):
+                first, end = row_index, row_index + pf.metadata.row_group(group).num_rows
+                try:
+                    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
+                        for row in batch.to_pylist():
+                            yield row_index, _drop_nulls(row), None
+                            row_index += 1
+                except (pa.ArrowException, OSError) as e:
+                    why = (f"Parquet row group {group + 1} of {num_groups} (rows {first}-{end - 1}) could not be "
+                           f"read ({_first_line(e)}); rewrite the file to answer this row")
+                    for lost in range(row_index, end):
+                        yield lost, None, f"row {lost}: {why}"
+                    row_index = end
 
 
 def _first_line(e: BaseException) -> str:
