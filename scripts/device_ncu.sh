@@ -6,8 +6,10 @@
 #   profile  one profiled launch of each: speed of light, occupancy, scheduler, memory
 #   stalls   stall ratios, tensor pipe, registers and spills of the system and context kernels at batch 256
 #   regs     the context kernel timed without and with its register cap, twice (alternating)
+#   l2       what the system and context kernels of a llama3 step at prefix 8,192 + 128 own keys ask of
+#            the L2, the DRAM, the issue slots and the tensor pipe (twenty-first session)
 # Writes $OUT/ncu_*.log (./out when OUT is unset) and prints the headline lines last.
-# Usage: bash scripts/device_ncu.sh [times] [profile] [stalls] [regs]
+# Usage: bash scripts/device_ncu.sh [times] [profile] [stalls] [regs] [l2]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,6 +53,16 @@ for part in "${parts[@]}"; do
       for shape in "--batch 256 --own 300" "--batch 128 --own 450" "--batch 256 --own 128"; do
         for r in 0 128 0 128; do timed --what ctx $shape --maxnreg $r; done
       done ;;
-    *) echo "unknown part $part (times, profile, stalls, regs)"; exit 2 ;;
+    l2)
+      metrics="gpu__time_duration.sum,lts__t_bytes.sum,lts__t_bytes.sum.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread"
+      for c in "--what sys --batch 256 --system 8192 --own 128" "--what ctx --batch 256 --system 8192 --own 128" \
+               "--what sys --batch 64 --system 8192 --own 128" "--what ctx --batch 64 --system 8192 --own 128"; do
+        echo "=== l2 $c" | tee -a "$OUT/ncu_l2.log"
+        timeout 150 "$NCU" --clock-control none --kernel-name "$(kernel_of "$c")" --launch-skip 2 --launch-count 1 \
+          --metrics "$metrics" python3 scripts/device_ncu.py $c >> "$OUT/ncu_l2.log" 2>&1
+        echo "rc $?" >> "$OUT/ncu_l2.log"
+      done
+      grep -E "^===|gpu__|lts__|dram__|pipe_tensor|issue_active|wavefronts|warps_active|registers|rc " "$OUT/ncu_l2.log" ;;
+    *) echo "unknown part $part (times, profile, stalls, regs, l2)"; exit 2 ;;
   esac
 done
