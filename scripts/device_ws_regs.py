@@ -16,7 +16,8 @@ each context tile and register cap, and the step as the engine plans it today. E
 variant is checked against kernels/reference.py. Times: median over CUDA-graph replays,
 the L2 emptied clean before each (relaycli/bench/timing.py). Writes ws_regs.json to $OUT.
 
-Usage: python scripts/device_ws_regs.py [--shapes llama3-8b:256 llama3-8b:64 ...]
+Usage: python scripts/device_ws_regs.py [--shapes llama3-8b:256 llama3-8b:64 ...] [--prefix N] [--own N]
+           [--sys CAP:BLOCK_N:STAGES ...] [--modes overlap "pdl merge"] [--plan-ctx-only] [--tag T]
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def splits_for(programs: int, dev) -> int:
     return s
 
 
-def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list) -> None:
+def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list,
+              sys_variants=SYS_VARIANTS, ctx_variants=CTX, modes=MODES) -> None:
     hq, hkv, d = dk.HEADS[name]
     q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev)
     scale = d ** -0.5
@@ -93,7 +95,7 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
         return dk.bench_us(fn)
 
     record("relay planned", relay_step(), floor_us(sys_bytes + own_bytes, flops_all), config="engine's plan")
-    for cap, block_n, stages in SYS_VARIANTS:
+    for cap, block_n, stages in sys_variants:
         cfg = dict(WS_TILE, BLOCK_N=block_n, num_stages=stages, ws_regs=cap, gluon=True, tma=True)
         label = dict(cap=cap, consumer_regs=ws_consumer_regs(cap), block_n=block_n, stages=stages)
         try:
@@ -106,8 +108,8 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
             regs = dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
                         smem=getattr(getattr(kernel, "metadata", None), "shared", None))
             record("system", dk.bench_us(launch), floor_us(sys_bytes, flops_sys), splits=splits, **label, **regs)
-            for ctx in CTX:
-                for mode, kw in MODES.items():
+            for ctx in ctx_variants:
+                for mode, kw in modes.items():
                     t = relay_step(sys_config=cfg, sys_splits=splits, ctx_config=ctx, **kw)
                     record(f"relay {mode}", t, floor_us(sys_bytes + own_bytes, flops_all), splits=splits,
                            **label, ctx=None if ctx is None else
@@ -123,7 +125,14 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b:256", "llama3-8b:64"])
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--own", type=int, default=128)
+    ap.add_argument("--sys", nargs="+", default=None, help="CAP:BLOCK_N:STAGES of the warp-specialised kernel")
+    ap.add_argument("--modes", nargs="+", default=None, choices=sorted(MODES))
+    ap.add_argument("--plan-ctx-only", action="store_true", help="only the context tile the plan picks")
+    ap.add_argument("--tag", default="ws_regs", help="the JSON's name in $OUT")
     args = ap.parse_args()
+    sys_variants = [tuple(map(int, v.split(":"))) for v in args.sys] if args.sys else SYS_VARIANTS
+    modes = {m: MODES[m] for m in args.modes} if args.modes else MODES
+    ctx_variants = [None] if args.plan_ctx_only else CTX
     dev = torch.device("cuda")
     ceil = dk.ceilings(dev)
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} "
@@ -133,8 +142,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:  # the JSON is rewritten after every shape, so a cut-off run keeps what it did
         name, batch = shape.split(":")
-        run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows)
-        (out_dir / "ws_regs.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
+        run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows, sys_variants, ctx_variants, modes)
+        (out_dir / f"{args.tag}.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
                                                               rows=rows, checks=dk.checks), indent=1))
     bad = [c for c in dk.checks if not c["ok"]]
     print(f"{len(dk.checks)} checks, {len(bad)} failed", flush=True)
