@@ -17,8 +17,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import (DECODE_TILE, WS_PDL_TILE, is_sm90, matrix_bound, resident_splits, split_plan,
-                                 system_config, system_leads)
+from kernels.triton_plan import DECODE_TILE, matrix_bound, resident_splits, split_plan, system_config
 from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
@@ -43,7 +42,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          resident: bool | None = None,
                          one_grid: bool = False, grid_config: dict | None = None,
                          side_stream: torch.cuda.Stream | None = None, pdl: bool = False,
-                         pdl_merge: bool = False, ws_pdl: bool | None = None) -> torch.Tensor:
+                         pdl_merge: bool = False) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -75,31 +74,12 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pdl_merge: with pdl, the context kernel writes a partial instead of folding (its programs
     then never wait, so their slots turn over while the system kernel runs) and the merge
     kernel finishes.
-    ws_pdl: run the step as pdl with pdl_merge, the system kernel the warp-specialised tile
-    capped at 128 registers a thread (triton_plan.WS_PDL_TILE) at one program an SM, so that
-    the context kernel's programs fill the SMs beside it. None: for a decode step captured
-    in a CUDA graph on sm_90 with one prefix group, an unsplit context and nothing else
-    forced (a tile, a split count, overlap, pdl, one_grid), where triton_plan.system_leads
-    finds its system step leading (long prompts, short own contexts); True: wherever pdl
-    could run. H200, llama3-8b heads, graphed (docs/kernels.md, twenty-first session):
-    batch 256 x 8,192 prefix tokens x 128 own keys 101.5 against 109.7 us, batch 64 45.1
-    against 48.5 us.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
-    if ws_pdl is None:
-        ws_pdl = (overlap is None and not pdl and not one_grid and sys_config is None and sys_splits is None
-                  and q.is_cuda and is_sm90(q.device) and meta.is_decode and len(groups) == 1 and c_splits == 1
-                  and torch.cuda.is_current_stream_capturing()
-                  and system_leads(*overlap_work(group_sizes(groups), context_tokens(meta), hq, hkv, d,
-                                                 q.element_size())))
-    if ws_pdl:
-        pdl = pdl_merge = True
-        sys_config = sys_config or dict(WS_PDL_TILE)
-        resident = False if resident is None else resident  # planned for its own grid, one program an SM
     pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
@@ -235,21 +215,15 @@ def overlap_work(sizes: list[tuple[int, int]], num_context_tokens: int, num_head
 
 
 def graphed_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
-                        device: torch.device, prefix_tokens: int, num_context_tokens: int) -> tuple[int, bool, bool]:
-    """(system splits, warp-specialised tile?, the capped PDL pair?) that relay_attention_with plans for a decode
+                        device: torch.device, prefix_tokens: int, num_context_tokens: int) -> tuple[int, bool]:
+    """(system splits, warp-specialised tile?) that relay_attention_with plans for a decode
     step captured in a CUDA graph: num_seqs rows (padding included) in one prefix group,
     num_context_tokens own keys in all, the overlapped step with its default order and
     residency. A decode graph keys on it, so that steps whose real contexts want another
     plan get a graph of their own (a graph's bucket only bounds its longest row)."""
-    sizes = [(num_seqs, prefix_tokens)]
-    if is_sm90(device) and system_leads(*overlap_work(sizes, num_context_tokens, num_heads, num_kv_heads, head_dim,
-                                                      elem)):  # relay_attention_with's ws_pdl
-        _, splits, _ = plan_relay_step(sizes, num_context_tokens, num_heads, num_kv_heads, head_dim, elem, device,
-                                       overlapped=True, pdl=True, resident=False, config=dict(WS_PDL_TILE))
-        return splits, True, True
-    _, splits, tile = plan_relay_step(sizes, num_context_tokens, num_heads, num_kv_heads,
+    _, splits, tile = plan_relay_step([(num_seqs, prefix_tokens)], num_context_tokens, num_heads, num_kv_heads,
                                       head_dim, elem, device, overlapped=True)
-    return splits, "ws" in tile, False
+    return splits, "ws" in tile
 
 
 def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:

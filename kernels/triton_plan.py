@@ -81,14 +81,6 @@ def matrix_bound(flops: float, num_bytes: float) -> bool:
     return flops / RIDGE_FLOPS_PER_BYTE > num_bytes
 
 
-def system_leads(flops: float, sys_bytes: float, ctx_bytes: float) -> bool:
-    """Whether a decode step (overlap_work's sizes) takes the capped warp-specialised PDL pair:
-    its system step is matrix-bound, at least WS_PDL_MIN_FLOPS, and its matrix work (at the
-    ridge) at least WS_PDL_LEAD times the bytes its context step reads."""
-    return (flops >= WS_PDL_MIN_FLOPS and matrix_bound(flops, sys_bytes)
-            and flops / RIDGE_FLOPS_PER_BYTE >= WS_PDL_LEAD * ctx_bytes)
-
-
 def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> dict:
     """Shrink BLOCK_N, then the pipeline depth, until Q + stages * (K + V) tiles fit shared memory."""
     cfg = dict(cfg)
@@ -125,17 +117,6 @@ PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pa
 # CUDA-graph capture only, where building TMA descriptors costs no host time every step.
 DECODE_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None, gluon=None)
 WS_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, per_sm=1, tma=None, gluon=None, ws=None)
-# A graphed decode step whose system step leads (system_leads) runs as a PDL pair with the
-# warp-specialised tile capped at 128 registers a thread, which leaves 512 warp-registers
-# an SM to the context kernel's programs (64-key tiles, 2 stages: no spills at that cap).
-WS_PDL_TILE = dict(WS_TILE, BLOCK_N=64, num_stages=2, ws_regs=128)
-# system_leads's bounds, from 16 llama3-8b shapes on the H200 (docs/kernels.md, twenty-first
-# session): where the system step's matrix work, at the ridge, is 1.4-2.8x its context's
-# bytes the PDL pair was 4-16% faster than the overlapped step in 13 of 14 (1.5% slower in
-# one); at 0.15-0.7x it was up to 39% slower; and a system step of 2 GFLOP (batch 64 x 2,048
-# prefix tokens) was 14% slower, one of 4 GFLOP 10% faster.
-WS_PDL_LEAD = 1.2
-WS_PDL_MIN_FLOPS = 3e9
 
 
 def ws_pays(rows: int, kv_heads: int, sms: int) -> bool:

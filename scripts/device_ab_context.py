@@ -21,8 +21,7 @@ row, not 256); `ws-always` keeps the warp-specialised system tile wherever syste
 gives it, at its own split plan, instead of giving way to the 64-row tile where that fits
 beside the context; `bucket-priced` plans the system step of a decode graph for its
 context bucket's bound, one graph a bucket, as before the seventeenth session (the default
-prices the step's real own keys, a graph for each plan); `no-ws-pdl` keeps the overlapped
-step where the system step leads (no capped warp-specialised PDL pair); `prefill-serial` reads a prefill
+prices the step's real own keys, a graph for each plan); `prefill-serial` reads a prefill
 back before the next step launches, as the engine did before the eleventh session
 (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
@@ -103,10 +102,7 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "ws-always": dict(ws_always=True),
             # the system plan priced at the context bucket's bound, one graph a bucket (before
             # the seventeenth session), not at the step's real own keys
-            "bucket-priced": dict(bucket_priced=True),
-            # the overlapped step where the system step leads, not the capped warp-specialised
-            # PDL pair (relay_attention_with's ws_pdl, before the twenty-first session)
-            "no-ws-pdl": dict(relay_kwargs=dict(ws_pdl=False))}
+            "bucket-priced": dict(bucket_priced=True)}
 
 
 def resolve(name: str) -> dict:

@@ -54,7 +54,7 @@
 # reads timed with the L2 emptied five ways (scripts/device_flush.py): what do_bench's
 # zeroing flush adds to a kernel's time. bench-kernels (about 1 minute): `relay bench
 # kernels` on CUDA, llama3-8b heads, both ways of emptying the L2.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|l2|ws-pdl|bench-kernels|tests-kernels|tests-ops ...]
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|l2|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -171,13 +171,6 @@ for part in "${parts[@]}"; do
       relay_step_tests 240 "$OUT/ctx_bytes_tests.log" ;;
     ws-regs)  # the warp-specialised system kernel under lower register caps beside the context (twentieth session)
       timeout 560 python3 scripts/device_ws_regs.py 2>&1 | tee "$OUT/ws_regs.log" | grep -v '^check .* ok$' | tail -60 ;;
-    ws-pdl)  # the capped warp-specialised PDL pair where the system step leads (twenty-first session):
-      # the relay step tests, then whole jobs with it and without (short requests under 8,192 prefix tokens)
-      relay_step_tests 200 "$OUT/ws_pdl_tests.log"
-      OUT="$OUT/ws_pdl_short_8192" timeout 230 python3 scripts/device_ab_context.py --system 8192 --repeats 2 \
-        --workload fixed-32-16 --variants default,no-ws-pdl 2>&1 | tee "$OUT/ws_pdl_short_8192.log" | grep -E "^(run|median)"
-      OUT="$OUT/ws_pdl_sharegpt_8192" timeout 150 python3 scripts/device_ab_context.py --system 8192 --repeats 1 \
-        --variants default,no-ws-pdl 2>&1 | tee "$OUT/ws_pdl_sharegpt_8192.log" | grep -E "^(run|median)" ;;
     l2)  # the L2's read bandwidth, and what a llama3 step's kernels ask of it (twenty-first session)
       timeout 200 python3 scripts/device_l2_probe.py 2>&1 | tee "$OUT/l2_probe.log" | tail -14
       timeout 380 bash scripts/device_ncu.sh l2 2>&1 | tail -60 ;;

@@ -2,7 +2,6 @@
 step: padding rows, scratch block, context bucket. (Capture itself needs CUDA; the
 device script checks graphed against eager generation on the GPU.)"""
 
-import functools
 import random
 
 import numpy as np
@@ -141,7 +140,7 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
     # one bucket, two plans: the warp-specialised tile where the system step is the longer
     # (sixteenth session's device run: 81.5 against 111.6 us at 32 own keys a row)
     assert short[:3] == full[:3] == (256, 256, 0)
-    assert short[3] == (2, True, False) and full[3] == (1, False, False)
+    assert short[3] == (2, True) and full[3] == (1, False)
     keys = graphs.all_keys(256, 256, [0])
     assert short in keys and full in keys and len(set(keys)) == len(keys)
     rng = random.Random()
@@ -156,33 +155,3 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
     assert triton_ops.context_tokens(meta) == meta.context_tokens <= 256 * 256
     meta.context_tokens = None  # without a total, a step is priced at its bucket's bound
     assert triton_ops.context_tokens(meta) == meta.num_seqs * meta.max_context_len
-
-
-def test_graphs_key_the_capped_pdl_pair_where_the_system_step_leads(monkeypatch):
-    """On sm_90 a decode graph whose system step leads its context step (triton_plan.system_leads:
-    llama3-8b heads, 8,192 prefix tokens, short own contexts) is planned as the capped
-    warp-specialised PDL pair, split for one program an SM, and keys on it; a graph whose
-    rows read many own keys keeps the overlapped plan."""
-    from kernels import triton_ops, triton_plan
-    monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
-    monkeypatch.setattr(triton_ops, "is_sm90", lambda device: True)
-    cpu = torch.device("cpu")
-    plan = functools.partial(triton_ops.graphed_decode_plan, num_heads=32, num_kv_heads=8, head_dim=128, elem=2,
-                             device=cpu, prefix_tokens=8192)
-    assert plan(256, num_context_tokens=256 * 32) == (2, True, True)
-    assert plan(64, num_context_tokens=64 * 128) == (8, True, True)
-    assert plan(256, num_context_tokens=256 * 512)[2] is False
-    monkeypatch.setattr(triton_ops, "is_sm90", lambda device: False)  # other GPUs: the overlapped plan
-    assert plan(256, num_context_tokens=256 * 32)[2] is False
-
-
-@pytest.mark.parametrize("prefix, own, batch, leads", [
-    (8192, 128, 256, True), (8192, 128, 64, True), (16384, 256, 64, True), (8192, 64, 256, True),
-    (4096, 32, 64, True), (2048, 32, 256, True),  # where the PDL pair was faster on the H200
-    (4096, 128, 256, False), (8192, 512, 64, False), (2048, 300, 64, False), (2048, 32, 64, False)])
-def test_system_leads_where_the_pdl_pair_was_measured_faster(prefix, own, batch, leads):
-    """system_leads at shapes of the twenty-first session's H200 sweep (llama3-8b heads, bf16):
-    True where the capped PDL pair beat the overlapped plan, False where it lost."""
-    from kernels.triton_ops import overlap_work
-    from kernels.triton_plan import system_leads
-    assert system_leads(*overlap_work([(batch, prefix)], batch * own, 32, 8, 128, 2)) is leads
