@@ -14,7 +14,7 @@ spills, then the overlapped relay step (system kernel first on the high-priority
 stream, one program an SM, the context kernel writing a partial, the merge kernel) with
 each context tile and register cap, and the step as the engine plans it today. Every
 variant is checked against kernels/reference.py. Times: median over CUDA-graph replays,
-the L2 emptied clean before each (relaycli/bench/timing.py). Writes ws_regs.json to $OUT.
+the L2 emptied clean before each (relaycli/bench/timing.py). Writes TAG.json (ws_regs.json) to $OUT.
 
 Usage: python scripts/device_ws_regs.py [--shapes llama3-8b:256 llama3-8b:64 ...] [--prefix N] [--own N]
            [--sys CAP:BLOCK_N:STAGES ...] [--modes overlap "pdl merge"] [--plan-ctx-only] [--tag T]
