@@ -54,7 +54,7 @@
 # reads timed with the L2 emptied five ways (scripts/device_flush.py): what do_bench's
 # zeroing flush adds to a kernel's time. bench-kernels (about 1 minute): `relay bench
 # kernels` on CUDA, llama3-8b heads, both ways of emptying the L2.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|l2|bench-kernels|tests-kernels|tests-ops ...]
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|l2|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -171,6 +171,16 @@ for part in "${parts[@]}"; do
       relay_step_tests 240 "$OUT/ctx_bytes_tests.log" ;;
     ws-regs)  # the warp-specialised system kernel under lower register caps beside the context (twentieth session)
       timeout 560 python3 scripts/device_ws_regs.py 2>&1 | tee "$OUT/ws_regs.log" | grep -v '^check .* ok$' | tail -60 ;;
+    fused)  # the own keys inside the warp-specialised system program (twenty-second session)
+      timeout 240 python3 -m pytest -q tests/test_gluon_fused_relay.py 2>&1 | tee "$OUT/fused_tests.log" | tail -5
+      timeout 170 python3 scripts/device_fused_relay.py --no-checks --variants 64:3:2:0:176:136 64:3:2:2:176:136 \
+        --shapes llama3-8b:256 llama3-8b:128 llama3-8b:64 llama2-7b:256 llama2-7b:64 --tag fused_relay \
+        2>&1 | tee "$OUT/fused_relay.log" | grep -v '^check .* ok$' | tail -40
+      for own in 32 300 512; do
+        timeout 50 python3 scripts/device_fused_relay.py --no-checks --variants 64:3:2:0:176:136 \
+          --shapes llama3-8b:256 llama3-8b:64 --prefix 4096 --own $own --tag "fused_relay_own$own" \
+          2>&1 | tee -a "$OUT/fused_relay.log" | grep -v '^check .* ok$' | tail -8
+      done ;;
     l2)  # the L2's read bandwidth, and what a llama3 step's kernels ask of it (twenty-first session)
       timeout 200 python3 scripts/device_l2_probe.py 2>&1 | tee "$OUT/l2_probe.log" | tail -14
       timeout 380 bash scripts/device_ncu.sh l2 2>&1 | tail -60 ;;

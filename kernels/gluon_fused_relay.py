@@ -1,0 +1,269 @@
+"""Decode relay attention for Hopper with the own keys inside the warp-specialised system program.
+
+Experiment (issue 5, twenty-second session). At llama3-8b heads the system step is bound by
+the tensor cores and the own-key step by bytes, yet run as two kernels they take the sum of
+their times: the warp-specialised system program holds an SM's whole register file, so no
+context program runs beside it (docs/kernels.md). Here the program gets a third role: beside
+the two prefix consumer warpgroups (kernels/gluon_system_attention.py's, under a lower
+register cap) and their TMA warp, an own-key warpgroup with a TMA warp of its own attends the
+own keys of the program's requests while the prefix consumers keep the tensor cores busy.
+
+A request's own keys serve only its G query rows, so with the queries as the wgmma's M rows
+(64 a warpgroup) an own tile would waste 1 - G/64 of its tensor work. The own keys are
+computed transposed instead ("swap AB"), the keys as M and the request's query rows as N = 8:
+
+    S^T [C keys, 8] = K_c [C, D] . Q_n^T [D, 8]             (A: K from shared memory)
+    softmax over the keys (axis 0), online across chunks
+    O^T [D, 8]     += V_c^T [D, C] . P^T [C, 8]              (A: V transposed, B: P from shared)
+
+so an own chunk costs two small wgmma chains and 4 + 8 accumulator registers a thread. The
+8 query rows are the TMA box of Q's rows n*Hq + h*G .. +8: the first G are the request's,
+the rest other heads' (finite, ignored). Own keys are paged; a chunk is one cache block
+(block_size == C), one TMA for its K and one for its V, in a ring of CTX_STAGES slots.
+
+Result: the system partials at splits 0..num_splits-1 as the system kernel writes them, the
+own-key partial of every (request, head) at split num_splits, then merge_partials. Work:
+program (m, h, split) takes the own keys of its requests m*128/G + i, i = split,
+split + num_splits, ... < 128/G.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.gluon_system_attention import LOG2E, _acc_layout, _ws_consumer, _ws_producer
+from kernels.triton_system_attention import merge_partials
+
+# Triton 3.6 (the H200's) names the CTA barrier thread_barrier, later releases barrier
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+QN = gl.constexpr(8)  # query rows of an own chunk's wgmma (its N): a request's G rows, padded
+# Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
+# launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get SYS_REGS (the
+# system kernel's consumers at ws_regs=128: 64-key tiles fit there without spills, twentieth
+# session), the own-key warpgroup CTX_REGS, the TMA warps 24: 8 x 176 + 4 x 136 + 4 x 24 = 2048.
+LAUNCH_REGS = 128
+SYS_REGS = 176
+CTX_REGS = 136
+
+
+@gluon.jit
+def _num_items(req_base, n_queries, split, num_splits, RPC: gl.constexpr):
+    """Own-key items (requests) of a program: local i = split + k * num_splits < RPC."""
+    local = gl.minimum(n_queries - req_base, RPC)
+    return gl.maximum(gl.cdiv(local - split, num_splits), 0)
+
+
+@gluon.jit
+def _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C: gl.constexpr, RPC: gl.constexpr,
+                WARPS: gl.constexpr):
+    """Own chunks of the items, their lengths read in one vector load."""
+    k = gl.arange(0, RPC, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    lens = gl.load(ctx_ptr + req_base + split + k * num_splits, mask=k < n_items, other=0)
+    return gl.sum(gl.where(k < n_items, gl.maximum(gl.cdiv(lens, C), 1), 0), 0)
+
+
+@gluon.jit
+def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
+                  req_base, h, split, num_splits, n_queries, qk_scale,
+                  stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                  G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr,
+                  CTX_MODE: gl.constexpr):
+    """The own-key warpgroup: every chunk of the program's items, in order."""
+    dtype: gl.constexpr = kc_smem.dtype
+    st_layout: gl.constexpr = _acc_layout(QN, 4)  # [C, 8] and [D, 8] accumulators, one warpgroup
+    col_l: gl.constexpr = gl.SliceLayout(0, st_layout)
+    key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
+    n_items = _num_items(req_base, n_queries, split, num_splits, 128 // G)
+    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, 128 // G, 4)
+    if CTX_MODE == 2:  # timing only: no own keys (the result is incomplete)
+        total = 0
+    it_k = n_items * 0
+    it_c = n_items * 0
+    it_len = gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
+    m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
+    l_c = gl.zeros([QN], gl.float32, layout=col_l)
+    o_c = gl.zeros([D, QN], gl.float32, layout=st_layout)
+    cols = gl.arange(0, QN, layout=col_l)
+    dims = gl.arange(0, D, layout=key_l)
+    for c in range(total):
+        slot = c % CTX_STAGES
+        mbarrier.wait(c_ready.index(slot), (c // CTX_STAGES) & 1)
+        s_tok = warpgroup_mma(kc_smem.index(slot), qc_smem.index(slot).permute((1, 0)),
+                              gl.zeros([C, QN], gl.float32, layout=st_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        keys = it_c * C + gl.arange(0, C, layout=key_l)
+        s = gl.where(gl.expand_dims(keys < it_len, 1), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_c, gl.max(s, 0))
+        alpha = gl.exp2(m_c - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        l_c = l_c * alpha + gl.sum(p, 0)
+        m_c = m_new
+        pc_smem.store(gl.permute(p.to(dtype), [1, 0]))
+        fence_async_shared()
+        _cta_barrier()  # every thread's P rows are in shared memory before the wgmma reads them
+        o_tok = warpgroup_mma(vc_smem.index(slot).permute((1, 0)), pc_smem.permute((1, 0)),
+                              o_c * gl.expand_dims(alpha, 0), is_async=True)
+        o_c = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(c_empty.index(slot), count=1)
+        it_c += 1
+        if it_c * C >= it_len:  # the item's last chunk: its partial out, the next item's length in
+            n = req_base + split + it_k * num_splits
+            o = o_c / gl.expand_dims(gl.where(l_c == 0.0, 1.0, l_c), 0)
+            lse = gl.where(l_c == 0.0, float("-inf"),
+                           (m_c + gl.log2(gl.where(l_c == 0.0, 1.0, l_c))) * 0.6931471805599453)
+            base = num_splits * stride_os + n * stride_on
+            ptrs = o_ptr + base + gl.expand_dims((h * G + cols) * stride_oh, 0) + gl.expand_dims(dims, 1)
+            gl.store(ptrs, o, mask=gl.expand_dims(cols < G, 0))
+            gl.store(lse_ptr + num_splits * stride_ls + n * stride_ln + h * G + cols, lse, mask=cols < G)
+            it_k += 1
+            it_c = 0
+            it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
+            m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
+            l_c = gl.zeros([QN], gl.float32, layout=col_l)
+            o_c = gl.zeros([D, QN], gl.float32, layout=st_layout)
+
+
+@gluon.jit
+def _ctx_producer(kc_desc, vc_desc, q_desc, kc_smem, vc_smem, qc_smem, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
+                  req_base, h, split, num_splits, n_queries,
+                  HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr,
+                  CTX_MODE: gl.constexpr):
+    """The own-key TMA warp: chunk c's K and V block and Q rows as soon as its slot is free.
+    The next chunk's cache block is read one chunk ahead, so no load latency sits in front
+    of a TMA."""
+    n_items = _num_items(req_base, n_queries, split, num_splits, 128 // G)
+    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, 128 // G, 1)
+    if CTX_MODE == 2:
+        total = 0
+    it_k = n_items * 0
+    it_c = n_items * 0
+    it_len = gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
+    blk = gl.load(bt_ptr + (req_base + split) * stride_bt, mask=n_items > 0, other=0)
+    for c in range(total):
+        slot = c % CTX_STAGES
+        mbarrier.wait(c_empty.index(slot), ((c // CTX_STAGES) & 1) ^ 1)
+        n = req_base + split + it_k * num_splits
+        mbarrier.expect(c_ready.index(slot), 2 * kc_desc.block_type.nbytes + q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kc_desc, [blk * C, h * D], c_ready.index(slot), kc_smem.index(slot))
+        tma.async_copy_global_to_shared(vc_desc, [blk * C, h * D], c_ready.index(slot), vc_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [n * HQ + h * G, 0], c_ready.index(slot), qc_smem.index(slot))
+        it_c += 1
+        if it_c * C >= it_len:
+            it_k += 1
+            it_c = 0
+            it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
+        blk = gl.load(bt_ptr + (req_base + split + it_k * num_splits) * stride_bt + it_c, mask=it_k < n_items,
+                      other=0)
+
+
+@gluon.jit(do_not_specialize=["n_queries", "keys_per_split", "num_splits"])
+def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_ptr, o_ptr, lse_ptr,
+                  n_queries, seq_len, keys_per_split, num_splits, qk_scale, stride_bt,
+                  stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                  HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr, SYS_REGS_: gl.constexpr,
+                  CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr):
+    """grid (cdiv(n*G, 128), Hkv, num_splits); 4 warps (the first prefix consumer) + a second
+    prefix consumer, the own-key warpgroup and two TMA warps."""
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    dtype: gl.constexpr = k_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    kc = gl.allocate_shared_memory(dtype, [CTX_STAGES, C, D], kc_desc.layout)
+    vc = gl.allocate_shared_memory(dtype, [CTX_STAGES, C, D], vc_desc.layout)
+    qc = gl.allocate_shared_memory(dtype, [CTX_STAGES, QN, D], q_desc.layout)
+    pc = gl.allocate_shared_memory(dtype, [QN, C], gl.NVMMASharedLayout.get_default_for([QN, C], dtype))
+    c_ready = gl.allocate_shared_memory(gl.int64, [CTX_STAGES, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [CTX_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CTX_STAGES):
+        mbarrier.init(c_ready.index(i), count=1)
+        mbarrier.init(c_empty.index(i), count=1)
+    lo = split * keys_per_split
+    hi = gl.minimum(lo + keys_per_split, seq_len)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    row0 = pid_m * 128
+    col = h * D
+    gl.warp_specialize([
+        (_ws_consumer, (q_ptr, q_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                        k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
+                        stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                        G, D, BLOCK_N, STAGES, False)),
+        (_ws_consumer, (q_ptr, q_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                        k_empty, v_empty, row0 + 64, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
+                        stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                        G, D, BLOCK_N, STAGES, False)),
+        (_ctx_consumer, (kc, vc, qc, pc, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
+                         row0 // G, h, split, num_splits, n_queries, qk_scale,
+                         stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, C, CTX_STAGES, CTX_MODE)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
+                        STAGES, BLOCK_N)),
+        (_ctx_producer, (kc_desc, vc_desc, q_desc, kc, vc, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
+                         row0 // G, h, split, num_splits, n_queries, HQ, G, D, C, CTX_STAGES, CTX_MODE)),
+    ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])
+
+
+def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                       num_splits: int, block_n: int = 64, stages: int = 3, ctx_stages: int = 2,
+                       launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
+                       ctx_mode: int = 0, out: tuple | None = None):
+    """One decode step of relay attention, every request behind the one prefix.
+
+    q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
+    [num_blocks, C, Hkv, D] with C = 64 keys a block; block_tables [N, max_blocks] int32;
+    context_lens [N] int32 (own keys, at least 1). Returns o [N, Hq, D] in q's dtype, and
+    the launched kernel. out: (o_part [splits+1, N, Hq, D], lse_part [splits+1, N, Hq]) fp32.
+    ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
+    """
+    n, hq, d = q.shape
+    s_len, hkv, _ = k_sys.shape
+    nb, c, _, _ = k_cache.shape
+    g = hq // hkv
+    assert q.is_contiguous() and k_sys.is_contiguous() and v_sys.is_contiguous(), "contiguous q and system KV"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and 1 <= g <= QN.value
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
+    assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * 24 <= 16 * launch_regs, \
+        "the partitions' registers exceed the launch's"
+    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    sys_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], elem)
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(s_len, hkv * d), [block_n, d], sys_layout)
+                      for t in (k_sys, v_sys))
+    c_layout = gl.NVMMASharedLayout.get_default_for([c, d], elem)
+    kc_desc, vc_desc = (TensorDescriptor.from_tensor(t.view(nb * c, hkv * d), [c, d], c_layout)
+                        for t in (k_cache, v_cache))
+    q_desc = TensorDescriptor.from_tensor(q.view(n * hq, d), [QN.value, d],
+                                          gl.NVMMASharedLayout.get_default_for([QN.value, d], elem))
+    if out is None:
+        o_part = torch.empty(num_splits + 1, n, hq, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(num_splits + 1, n, hq, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out
+    per = triton.cdiv(triton.cdiv(max(s_len, 1), num_splits), block_n) * block_n
+    grid = (triton.cdiv(n * g, 128), hkv, num_splits)
+    kernel = _fused_kernel[grid](
+        q, k_desc, v_desc, kc_desc, vc_desc, q_desc, context_lens, block_tables, o_part, lse_part,
+        n, s_len, per, num_splits, scale * LOG2E, block_tables.stride(0),
+        q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_STAGES=ctx_stages, SYS_REGS_=sys_regs,
+        CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, num_warps=4, maxnreg=launch_regs)
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0], kernel

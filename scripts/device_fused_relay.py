@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""The own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py)
+against the engine's plan (issue 5's llama3 whole-relay target).
+
+Per shape (decode, bf16, prefix --prefix, --own own keys a request): the engine's plan on
+16-key pages and on 64-key pages (the fused kernel reads one 64-key block a chunk), the
+warp-specialised system kernel alone, and the fused step (fused kernel + merge) for each
+variant of its knobs (--variants; CTX_MODE 2 leaves the own keys out, to time the prefix
+part alone), with the compiled registers and spills. Every variant is checked
+against kernels/reference.py, and the fused step also at ragged own lengths and odd
+batches. Times: median over CUDA-graph replays, the L2 emptied clean before each. Writes
+TAG.json to $OUT.
+
+Usage: python scripts/device_fused_relay.py [--shapes llama3-8b:256 llama3-8b:64] [--prefix N] [--own N]
+           [--variants BN:STAGES:CTX_STAGES:MODE:SYS_REGS:CTX_REGS ...] [--smoke] [--no-checks] [--tag T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import device_kernels as dk  # noqa: E402
+from device_ws_regs import splits_for  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
+from kernels.gluon_system_attention import gluon_system_attention_into  # noqa: E402
+from kernels.triton_ops import relay_attention_with  # noqa: E402
+from kernels.triton_plan import WS_TILE  # noqa: E402
+
+
+# BLOCK_N:STAGES:CTX_STAGES:CTX_MODE:SYS_REGS:CTX_REGS (kernels/gluon_fused_relay.py's knobs)
+VARIANTS = ["64:3:2:0:176:136", "64:3:2:2:176:136", "64:4:2:0:176:136", "64:3:3:0:176:136", "64:3:2:0:184:120"]
+
+
+def parse(variant: str) -> dict:
+    bn, stages, ctx_stages, mode, sys_regs, ctx_regs = map(int, variant.split(":"))
+    return dict(block_n=bn, stages=stages, ctx_stages=ctx_stages, ctx_mode=mode, sys_regs=sys_regs,
+                ctx_regs=ctx_regs)
+
+
+def fused_fn(q, kc, vc, meta, pre, scale, splits, variant: str = VARIANTS[0]):
+    k_sys, v_sys = pre[0]
+    return functools.partial(fused_relay_decode, q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens,
+                             scale, splits, **parse(variant))
+
+
+def checks_only(name: str, dev, prefix: int, variants) -> None:
+    """Ragged own lengths (1 .. 300, a block's edge included) and batches that end inside a tile."""
+    hq, hkv, d = dk.HEADS[name]
+    rng = random.Random()
+    for batch in (256, 37, 5):
+        lens = [rng.choice([1, 63, 64, 65, 128, rng.randint(1, 300)]) for _ in range(batch)]
+        gen = torch.Generator(device=dev)
+        gen.seed()
+        q, kc, vc, pre, meta = dk.build_step(hq, hkv, d, batch, prefix, 0, dev, torch.bfloat16, gen, 64, lens)
+        k_sys, v_sys = pre[0]
+        want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k_sys.float(), v_sys.float())],
+                                   d ** -0.5)
+        programs = triton.cdiv(batch * (hq // hkv), 128) * hkv
+        for variant in variants:
+            if parse(variant)["ctx_mode"] == 2:
+                continue
+            for splits in sorted({1, splits_for(programs, dev)}):
+                got, _ = fused_fn(q, kc, vc, meta, pre, d ** -0.5, splits, variant)()
+                dk.check(f"{name} fused {variant} ragged B={batch} splits={splits}", got, want)
+
+
+def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list, variants) -> None:
+    hq, hkv, d = dk.HEADS[name]
+    scale = d ** -0.5
+    case = f"{name} B={batch} S={prefix}+{own}"
+    group = hq // hkv
+    sys_bytes = 2 * prefix * hkv * d * 2 + 2 * batch * hq * d * 2
+    own_bytes = 2 * batch * own * hkv * d * 2
+    flops_all = 4 * batch * hq * (prefix + own) * d
+    floor = max((sys_bytes + own_bytes) / ceil["copy_bytes_per_s"], flops_all / ceil["bf16_flops_per_s"]) * 1e6
+
+    def record(kind, t_us, **extra):
+        row = dict(case=case, kind=kind, time_us=t_us, floor_us=floor, pct_floor=100 * floor / t_us, **extra)
+        out.append(row)
+        print(f"{case:26s} {kind:22s} {t_us:8.1f} us {row['pct_floor']:5.1f}%  "
+              + " ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
+
+    for page in (16, 64):
+        q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev, page=page)
+        k_sys, v_sys = pre[0]
+        want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k_sys.float(), v_sys.float())], scale)
+        plan = lambda: relay_attention_with(q, kc, vc, meta, pre, scale)  # noqa: E731
+        dk.check(f"{case} plan page {page}", plan(), want)
+        record(f"plan, page {page}", dk.bench_us(plan))
+    programs = triton.cdiv(batch * group, WS_TILE["BLOCK_M"]) * hkv
+    splits = splits_for(programs, dev)
+    o_p = torch.empty(splits, batch, hq, d, device=dev)
+    l_p = torch.empty(splits, batch, hq, device=dev)
+    system = functools.partial(gluon_system_attention_into, q, k_sys, v_sys, scale, o_p, l_p, None, splits, 128, 128,
+                               2, ws=True)
+    system()
+    record("system alone (ws)", dk.bench_us(system), splits=splits)
+    for variant in variants:
+        for s in sorted({splits, max(1, splits // 2)}):
+            try:
+                fn = fused_fn(q, kc, vc, meta, pre, scale, s, variant)
+                got, kernel = fn()
+                if parse(variant)["ctx_mode"] != 2:  # mode 2 leaves the own keys out: timing only
+                    dk.check(f"{case} fused {variant} splits={s}", got, want)
+                record("fused + merge", dk.bench_us(fn), splits=s, variant=variant,
+                       n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
+                       smem=getattr(getattr(kernel, "metadata", None), "shared", None))
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is a result too
+                traceback.print_exc()
+                out.append(dict(case=case, kind="failed", variant=variant, splits=s,
+                                error=f"{type(exc).__name__}: {str(exc)[:400]}"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["llama3-8b:256", "llama3-8b:64"])
+    ap.add_argument("--prefix", type=int, default=8192)
+    ap.add_argument("--own", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, help="BLOCK_N:STAGES:CTX_STAGES:CTX_MODE:SYS_REGS:CTX_REGS")
+    ap.add_argument("--no-checks", action="store_true", help="skip the ragged-length checks")
+    ap.add_argument("--tag", default="fused_relay")
+    ap.add_argument("--smoke", action="store_true", help="one small fused step against the reference, then exit")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    if args.smoke:  # run under a timeout first: a kernel whose barriers deadlock hangs the GPU
+        hq, hkv, d = dk.HEADS["llama3-8b"]
+        gen = torch.Generator(device=dev)
+        gen.seed()
+        q, kc, vc, pre, meta = dk.build_step(hq, hkv, d, 40, 512, 0, dev, torch.bfloat16, gen, 64, [100] * 40)
+        want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(pre[0][0].float(), pre[0][1].float())], d ** -0.5)
+        for splits in (1, 2):
+            got, kernel = fused_fn(q, kc, vc, meta, pre, d ** -0.5, splits, args.variants[0])()
+            torch.cuda.synchronize()
+            print("smoke regs", getattr(kernel, "n_regs", None), "spills", getattr(kernel, "n_spills", None))
+            dk.check(f"smoke splits={splits}", got, want)
+        return
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.no_checks:
+        for name in sorted({s.split(":")[0] for s in args.shapes}):
+            try:
+                checks_only(name, dev, 2048, args.variants)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    ceil = dk.ceilings(dev)
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} "
+          f"TFLOP/s", flush=True)
+    rows: list = []
+    for shape in args.shapes:
+        name, batch = shape.split(":")
+        run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows, args.variants)
+        (out_dir / f"{args.tag}.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
+                                                              rows=rows, checks=dk.checks), indent=1))
+    bad = [c for c in dk.checks if not c["ok"]]
+    print(f"{len(dk.checks)} checks, {len(bad)} failed", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""kernels/gluon_fused_relay.py (own keys inside the warp-specialised system program) against
+kernels/reference.py on fresh random inputs. Hopper only: Gluon has no interpreter, so
+these run on the H200 (scripts/device_check.sh fused) and skip elsewhere."""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+from kernels import reference as ref  # noqa: E402
+from kernels.triton_plan import is_sm90  # noqa: E402
+from relaycli.bench.kernels import build_step  # noqa: E402
+
+if not is_sm90(torch.device("cuda")):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
+
+
+def _step(hq, hkv, d, lens, prefix, dtype):
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    return build_step(hq, hkv, d, len(lens), prefix, 0, torch.device("cuda"), dtype, gen, 64, lens)
+
+
+def _check(q, kc, vc, pre, meta, splits, **kw):
+    d = q.shape[-1]
+    k_sys, v_sys = pre[0]
+    got, kernel = fused_relay_decode(q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, d ** -0.5,
+                                     splits, **kw)
+    want = ref.relay_attention(q.double(), kc.double(), vc.double(), meta, [(k_sys.double(), v_sys.double())],
+                               d ** -0.5)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert torch.isfinite(got).all() and err < 1e-2, (err, splits, kw)
+    assert kernel.n_spills == 0, kernel.n_spills  # the register plan holds: no partition spills
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 32, 128), (16, 2, 64)])
+def test_fused_relay_ragged_batches(dtype, heads):
+    # own lengths at and around a block's edge, batches that end inside a program's 128 rows,
+    # a prefix that ends inside a tile, and more splits than a program has requests
+    hq, hkv, d = heads
+    rng = random.Random()
+    for batch, prefix in ((1, 64), (5, 1000), (37, 2048), (256, 4096)):
+        lens = [rng.choice([1, 63, 64, 65, 128, rng.randint(1, 400)]) for _ in range(batch)]
+        q, kc, vc, pre, meta = _step(hq, hkv, d, lens, prefix, dtype)
+        for splits in sorted({1, 2, 8, 32 if prefix >= 2048 else 1}):
+            _check(q, kc, vc, pre, meta, splits)
+
+
+def test_fused_relay_ring_depths_and_register_splits():
+    lens = [random.randint(1, 300) for _ in range(64)]
+    q, kc, vc, pre, meta = _step(32, 8, 128, lens, 2048, torch.bfloat16)
+    for kw in (dict(stages=2), dict(stages=4), dict(ctx_stages=3), dict(sys_regs=184, ctx_regs=120)):
+        _check(q, kc, vc, pre, meta, 4, **kw)
+
+
+def test_fused_relay_refuses_what_it_cannot_read():
+    q, kc, vc, pre, meta = _step(32, 8, 128, [10, 20], 256, torch.bfloat16)
+    k_sys, v_sys = pre[0]
+    small = kc.view(-1, 16, *kc.shape[2:])  # 16-key blocks: one TMA a chunk needs 64
+    with pytest.raises(AssertionError):
+        fused_relay_decode(q, k_sys, v_sys, small, small, meta.block_tables, meta.context_lens, 1.0, 1)
+    with pytest.raises(AssertionError, match="registers"):
+        fused_relay_decode(q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, 1.0, 1, sys_regs=200)
