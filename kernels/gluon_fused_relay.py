@@ -62,10 +62,15 @@ def _num_items(req_base, n_queries, split, num_splits, RPC: gl.constexpr):
 @gluon.jit
 def _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C: gl.constexpr, RPC: gl.constexpr,
                 WARPS: gl.constexpr):
-    """Own chunks of the items, their lengths read in one vector load."""
-    k = gl.arange(0, RPC, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    lens = gl.load(ctx_ptr + req_base + split + k * num_splits, mask=k < n_items, other=0)
-    return gl.sum(gl.where(k < n_items, gl.maximum(gl.cdiv(lens, C), 1), 0), 0)
+    """Own chunks of the items, their lengths read a lane each (a TMA warp has 24 registers:
+    at G = 1, 128 lengths in one vector spilled)."""
+    BLOCK: gl.constexpr = 32 * WARPS
+    total = 0
+    for b in gl.static_range(0, RPC, BLOCK):
+        k = b + gl.arange(0, BLOCK, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        lens = gl.load(ctx_ptr + req_base + split + k * num_splits, mask=k < n_items, other=0)
+        total += gl.sum(gl.where(k < n_items, gl.maximum(gl.cdiv(lens, C), 1), 0), 0)
+    return total
 
 
 @gluon.jit
