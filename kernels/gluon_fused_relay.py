@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon_system_attention import LOG2E, _acc_layout, _ws_consumer, _ws_producer
+from kernels.gluon_system_attention import LOG2E, _acc_layout, _ws_consumer, _ws_producer, _ws_ring
 from kernels.triton_system_attention import merge_partials
 
 # Triton 3.6 (the H200's) names the CTA barrier thread_barrier, later releases barrier
@@ -180,17 +180,7 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
     h = gl.program_id(1)
     split = gl.program_id(2)
     dtype: gl.constexpr = k_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _ws_ring(k_desc, v_desc, STAGES, BLOCK_N, D)
     kc = gl.allocate_shared_memory(dtype, [CTX_STAGES, C, D], kc_desc.layout)
     vc = gl.allocate_shared_memory(dtype, [CTX_STAGES, C, D], vc_desc.layout)
     qc = gl.allocate_shared_memory(dtype, [CTX_STAGES, QN, D], q_desc.layout)

@@ -200,6 +200,24 @@ def _attend(q_op, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_re
 
 
 @gluon.jit
+def _ws_ring(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """The K/V ring of a warp-specialised program: STAGES slots of each, a "ready" barrier
+    a slot (the TMA completes it) and an "empty" one (both consumers arrive)."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    return k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
     for j in range(num_tiles):
@@ -249,17 +267,7 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
     dtype: gl.constexpr = k_desc.dtype
     if WS:
         gl.static_assert(num_warps == 4 and BLOCK_M == 128, "two consumer warpgroups of 64 rows")
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _ws_ring(k_desc, v_desc, STAGES, BLOCK_N, D)
         lo = split * keys_per_split
         hi = gl.minimum(lo + keys_per_split, seq_len)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
