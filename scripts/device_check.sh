@@ -54,6 +54,9 @@
 # reads timed with the L2 emptied five ways (scripts/device_flush.py): what do_bench's
 # zeroing flush adds to a kernel's time. bench-kernels (about 1 minute): `relay bench
 # kernels` on CUDA, llama3-8b heads, both ways of emptying the L2.
+# fused (at most 9.5 minutes, twenty-second session): the GPU tests of kernels/gluon_fused_relay.py
+# (the own keys inside the warp-specialised system program), then the fused step against the
+# engine's plan at llama3 and llama2 shapes and own contexts of 32-512 keys (scripts/device_fused_relay.py).
 # Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|l2|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
