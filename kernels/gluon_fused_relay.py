@@ -41,7 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon_system_attention import LOG2E, _acc_layout, _ws_consumer, _ws_producer, _ws_ring
+from kernels.gluon_system_attention import (LOG2E, WS_PRODUCER_REGS, _acc_layout, _ws_consumer, _ws_producer,
+                                            _ws_ring)
 from kernels.triton_system_attention import merge_partials
 
 # Triton 3.6 (the H200's) names the CTA barrier thread_barrier, later releases barrier
@@ -78,6 +79,28 @@ def _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C: gl.constexpr, 
 
 
 @gluon.jit
+def _ctx_schedule(ctx_ptr, req_base, split, num_splits, n_queries, G: gl.constexpr, C: gl.constexpr,
+                  WARPS: gl.constexpr, CTX_MODE: gl.constexpr):
+    """What both own-key roles walk: (items, chunks, the first item's length)."""
+    n_items = _num_items(req_base, n_queries, split, num_splits, 128 // G)
+    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, 128 // G, WARPS)
+    if CTX_MODE == 2:  # timing only: no own keys (the result is incomplete)
+        total = 0
+    return n_items, total, gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
+
+
+@gluon.jit
+def _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C: gl.constexpr):
+    """Past one chunk of item it_k: the next chunk, in the next item after the last one."""
+    it_c += 1
+    if it_c * C >= it_len:
+        it_k += 1
+        it_c = 0
+        it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
+    return it_k, it_c, it_len
+
+
+@gluon.jit
 def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
                   req_base, h, split, num_splits, n_queries, qk_scale,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
@@ -88,13 +111,9 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
     st_layout: gl.constexpr = _acc_layout(QN, 4)  # [C, 8] and [D, 8] accumulators, one warpgroup
     col_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
-    n_items = _num_items(req_base, n_queries, split, num_splits, 128 // G)
-    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, 128 // G, 4)
-    if CTX_MODE == 2:  # timing only: no own keys (the result is incomplete)
-        total = 0
+    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, n_queries, G, C, 4, CTX_MODE)
     it_k = n_items * 0
     it_c = n_items * 0
-    it_len = gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
     m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
     l_c = gl.zeros([QN], gl.float32, layout=col_l)
     o_c = gl.zeros([D, QN], gl.float32, layout=st_layout)
@@ -120,8 +139,7 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
                               o_c * gl.expand_dims(alpha, 0), is_async=True)
         o_c = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(c_empty.index(slot), count=1)
-        it_c += 1
-        if it_c * C >= it_len:  # the item's last chunk: its partial out, the next item's length in
+        if (it_c + 1) * C >= it_len:  # the item's last chunk: its partial out
             n = req_base + split + it_k * num_splits
             o = o_c / gl.expand_dims(gl.where(l_c == 0.0, 1.0, l_c), 0)
             lse = gl.where(l_c == 0.0, float("-inf"),
@@ -130,12 +148,10 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
             ptrs = o_ptr + base + gl.expand_dims((h * G + cols) * stride_oh, 0) + gl.expand_dims(dims, 1)
             gl.store(ptrs, o, mask=gl.expand_dims(cols < G, 0))
             gl.store(lse_ptr + num_splits * stride_ls + n * stride_ln + h * G + cols, lse, mask=cols < G)
-            it_k += 1
-            it_c = 0
-            it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
             m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
             l_c = gl.zeros([QN], gl.float32, layout=col_l)
             o_c = gl.zeros([D, QN], gl.float32, layout=st_layout)
+        it_k, it_c, it_len = _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C)
 
 
 @gluon.jit
@@ -146,13 +162,9 @@ def _ctx_producer(kc_desc, vc_desc, q_desc, kc_smem, vc_smem, qc_smem, c_ready, 
     """The own-key TMA warp: chunk c's K and V block and Q rows as soon as its slot is free.
     The next chunk's cache block is read one chunk ahead, so no load latency sits in front
     of a TMA."""
-    n_items = _num_items(req_base, n_queries, split, num_splits, 128 // G)
-    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, 128 // G, 1)
-    if CTX_MODE == 2:
-        total = 0
+    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, n_queries, G, C, 1, CTX_MODE)
     it_k = n_items * 0
     it_c = n_items * 0
-    it_len = gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
     blk = gl.load(bt_ptr + (req_base + split) * stride_bt, mask=n_items > 0, other=0)
     for c in range(total):
         slot = c % CTX_STAGES
@@ -162,11 +174,7 @@ def _ctx_producer(kc_desc, vc_desc, q_desc, kc_smem, vc_smem, qc_smem, c_ready, 
         tma.async_copy_global_to_shared(kc_desc, [blk * C, h * D], c_ready.index(slot), kc_smem.index(slot))
         tma.async_copy_global_to_shared(vc_desc, [blk * C, h * D], c_ready.index(slot), vc_smem.index(slot))
         tma.async_copy_global_to_shared(q_desc, [n * HQ + h * G, 0], c_ready.index(slot), qc_smem.index(slot))
-        it_c += 1
-        if it_c * C >= it_len:
-            it_k += 1
-            it_c = 0
-            it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
+        it_k, it_c, it_len = _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C)
         blk = gl.load(bt_ptr + (req_base + split + it_k * num_splits) * stride_bt + it_c, mask=it_k < n_items,
                       other=0)
 
@@ -215,20 +223,20 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
                         STAGES, BLOCK_N)),
         (_ctx_producer, (kc_desc, vc_desc, q_desc, kc, vc, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
                          row0 // G, h, split, num_splits, n_queries, HQ, G, D, C, CTX_STAGES, CTX_MODE)),
-    ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])
+    ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])  # 24: WS_PRODUCER_REGS, the TMA warps'
 
 
 def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                        num_splits: int, block_n: int = 64, stages: int = 3, ctx_stages: int = 2,
                        launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
-                       ctx_mode: int = 0, out: tuple | None = None):
+                       ctx_mode: int = 0):
     """One decode step of relay attention, every request behind the one prefix.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
     [num_blocks, C, Hkv, D] with C = 64 keys a block; block_tables [N, max_blocks] int32;
     context_lens [N] int32 (own keys, at least 1). Returns o [N, Hq, D] in q's dtype, and
-    the launched kernel. out: (o_part [splits+1, N, Hq, D], lse_part [splits+1, N, Hq]) fp32.
+    the launched kernel.
     ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
     """
     n, hq, d = q.shape
@@ -240,7 +248,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and 1 <= g <= QN.value
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
-    assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * 24 <= 16 * launch_regs, \
+    assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * launch_regs, \
         "the partitions' registers exceed the launch's"
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     sys_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], elem)
@@ -251,11 +259,9 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
                         for t in (k_cache, v_cache))
     q_desc = TensorDescriptor.from_tensor(q.view(n * hq, d), [QN.value, d],
                                           gl.NVMMASharedLayout.get_default_for([QN.value, d], elem))
-    if out is None:
-        o_part = torch.empty(num_splits + 1, n, hq, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(num_splits + 1, n, hq, dtype=torch.float32, device=q.device)
-    else:
-        o_part, lse_part = out
+    # the prefix partials, then the own-key partial: [num_splits + 1, N, Hq, D] and [.., N, Hq], fp32
+    o_part = torch.empty(num_splits + 1, n, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(num_splits + 1, n, hq, dtype=torch.float32, device=q.device)
     per = triton.cdiv(triton.cdiv(max(s_len, 1), num_splits), block_n) * block_n
     grid = (triton.cdiv(n * g, 128), hkv, num_splits)
     kernel = _fused_kernel[grid](
