@@ -121,6 +121,17 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     print(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def save_rows(path: Path, ceil: dict, rows: list) -> None:
+    """A device script's results so far, with the ceilings and every check (rewritten after
+    each shape, so a run cut off by its time limit keeps what it did)."""
+    path.write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows, checks=checks),
+                               indent=1))
+
+
+def report_checks() -> None:
+    print(f"{len(checks)} checks, {sum(not c['ok'] for c in checks)} failed", flush=True)
+
+
 def add(case, kernel, times, nbytes, flops, ceil, cudnn=None, config=None, eager=None):
     """times, cudnn: bench_us's (clean, dirty) pair; the clean time is the row's time."""
     (t_us, t_dirty), cudnn_us = times, cudnn[0] if cudnn else None

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import traceback
@@ -143,10 +142,8 @@ def main() -> None:
     for shape in args.shapes:  # the JSON is rewritten after every shape, so a cut-off run keeps what it did
         name, batch = shape.split(":")
         run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows, sys_variants, ctx_variants, modes)
-        (out_dir / f"{args.tag}.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
-                                                              rows=rows, checks=dk.checks), indent=1))
-    bad = [c for c in dk.checks if not c["ok"]]
-    print(f"{len(dk.checks)} checks, {len(bad)} failed", flush=True)
+        dk.save_rows(out_dir / f"{args.tag}.json", ceil, rows)
+    dk.report_checks()
 
 
 if __name__ == "__main__":
