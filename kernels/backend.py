@@ -127,18 +127,18 @@ class PagedAttention:
         else:
             self._ops = reference
 
-    def graphed_decode_plan(self, num_seqs: int, num_heads: int, slot: int | None,
-                            context_tokens: int) -> tuple[int, bool] | None:
+    def graphed_decode_plan(self, num_seqs: int, num_heads: int, slot: int | None, context_tokens: int,
+                            max_context_len: int) -> tuple[int, str] | None:
         """How relay's Triton decode step, captured in a CUDA graph, plans its system kernel
         (kernels.triton_ops.graphed_decode_plan) for num_seqs rows on prefix `slot` whose own
-        keys total context_tokens; None where no such plan is made (no prefix, --no-relay,
-        other impls)."""
+        keys total context_tokens, none longer than max_context_len; None where no such plan
+        is made (no prefix, --no-relay, other impls)."""
         if self.impl != "triton" or self.mode != "relay" or slot is None or not self.k_caches:
             return None
         k_cache, k_sys = self.k_caches[0], self.prefix_layers[0][slot][0]
         return self._ops.graphed_decode_plan(num_seqs, num_heads, k_cache.shape[2], k_cache.shape[3],
                                              k_cache.element_size(), k_cache.device, k_sys.shape[0],
-                                             context_tokens)
+                                             context_tokens, k_cache.shape[1], max_context_len)
 
     def attend_fn(self, meta: AttentionMetadata) -> Callable:
         """models.llama.AttendFn for this step's metadata; it takes rope=(cos, sin, layer_ops).

@@ -28,7 +28,9 @@ split + num_splits, ... < 128/G.
 
 H200 (docs/kernels.md, twenty-second session): llama3-8b heads, 8,192 + 128 own keys,
 77.3-78.6 us against the engine's plan's 109.9-110.1 at batch 256, 33.8-34.6 against
-47.6-49.0 at batch 64. Not yet the engine's plan: the engine's cache blocks are 16 keys.
+47.6-49.0 at batch 64. The engine's plan since the twenty-third session, for graphed decode
+steps where triton_plan.fused_decode_plan says it pays (kernels/triton_ops.py), on 64-key
+cache blocks.
 """
 
 from __future__ import annotations
@@ -235,8 +237,9 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
     [num_blocks, C, Hkv, D] with C = 64 keys a block; block_tables [N, max_blocks] int32;
-    context_lens [N] int32 (own keys, at least 1). Returns o [N, Hq, D] in q's dtype, and
-    the launched kernel.
+    context_lens [N] int32 (own keys; 0 for a padding row of a decode graph, whose own
+    partial is then empty and whose table's first block is still read). Returns o [N, Hq, D]
+    in q's dtype, and the launched kernel.
     ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
     """
     n, hq, d = q.shape

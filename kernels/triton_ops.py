@@ -17,7 +17,8 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import DECODE_TILE, matrix_bound, resident_splits, split_plan, system_config
+from kernels.triton_plan import (DECODE_TILE, fused_decode_plan, matrix_bound, resident_splits, split_plan,
+                                 system_config)
 from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
@@ -42,7 +43,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          resident: bool | None = None,
                          one_grid: bool = False, grid_config: dict | None = None,
                          side_stream: torch.cuda.Stream | None = None, pdl: bool = False,
-                         pdl_merge: bool = False) -> torch.Tensor:
+                         pdl_merge: bool = False, fused: bool | None = None) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -74,11 +75,24 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pdl_merge: with pdl, the context kernel writes a partial instead of folding (its programs
     then never wait, so their slots turn over while the system kernel runs) and the merge
     kernel finishes.
+    fused: None: a decode step captured in a CUDA graph, every row behind one prefix, runs
+    the own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py),
+    then the merge kernel, where triton_plan.fused_decode_plan says it runs and pays and no
+    knob above is set (a knob asks for the paths above); False: never, as before the
+    twenty-third session. Other steps take the paths above.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
+    knobs = (sys_splits, ctx_splits, sys_config, ctx_config, overlap, system_side, resident, grid_config)
+    if fused is None and not (one_grid or pdl or any(k is not None for k in knobs)):
+        splits = fused_step_splits(q, k_cache, meta, groups)
+        if splits is not None:
+            from kernels.gluon_fused_relay import fused_relay_decode  # Gluon: sm_90 only
+            (_, k_sys, v_sys), = groups
+            return fused_relay_decode(q.contiguous(), k_sys, v_sys, k_cache, v_cache, meta.block_tables,
+                                      meta.context_lens, scale, splits)[0]
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:
@@ -136,6 +150,24 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         system_step()
         context_step()
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
+
+
+def fused_step_splits(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, groups: list) -> int | None:
+    """The fused decode step's system splits for this step, or None where it takes another
+    path: it needs a decode step under CUDA-graph capture (TMA descriptors are built on the
+    host once, at capture), one prefix group that holds every row (groups list their rows
+    in order, so it reads row n's own keys for query n), contiguous system KV and cache,
+    block tables with unit column stride, and fused_decode_plan's shapes."""
+    if not (q.is_cuda and meta.is_decode and meta.max_seqlen_q == 1 and len(groups) == 1
+            and torch.cuda.is_current_stream_capturing()):
+        return None
+    (g, k_sys, v_sys), = groups
+    n, hq, d = q.shape
+    if not (g.query_indices.shape[0] == n and k_sys.is_contiguous() and v_sys.is_contiguous()
+            and k_cache.is_contiguous() and meta.block_tables.stride(1) == 1 and q.dtype == k_sys.dtype):
+        return None
+    return fused_decode_plan(n, hq, k_cache.shape[2], d, q.element_size(), k_cache.shape[1], q.device,
+                             k_sys.shape[0], context_tokens(meta), meta.max_context_len)
 
 
 def plan_relay_step(sizes: list[tuple[int, int]], num_context_tokens: int, num_heads: int, num_kv_heads: int,
@@ -215,15 +247,23 @@ def overlap_work(sizes: list[tuple[int, int]], num_context_tokens: int, num_head
 
 
 def graphed_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, elem: int,
-                        device: torch.device, prefix_tokens: int, num_context_tokens: int) -> tuple[int, bool]:
-    """(system splits, warp-specialised tile?) that relay_attention_with plans for a decode
-    step captured in a CUDA graph: num_seqs rows (padding included) in one prefix group,
-    num_context_tokens own keys in all, the overlapped step with its default order and
-    residency. A decode graph keys on it, so that steps whose real contexts want another
-    plan get a graph of their own (a graph's bucket only bounds its longest row)."""
+                        device: torch.device, prefix_tokens: int, num_context_tokens: int,
+                        block_size: int, max_context_len: int) -> tuple[int, str]:
+    """(system splits, kernel) that relay_attention_with plans for a decode step captured in
+    a CUDA graph: num_seqs rows (padding included) in one prefix group, num_context_tokens
+    own keys in all, none longer than max_context_len (the graph's context bucket), cache
+    blocks of block_size keys. kernel: "fused" (the own keys inside
+    the system program), else the overlapped step's system tile with its default order and
+    residency, "ws" (warp-specialised) or "tile". A decode graph keys on it, so that steps
+    whose real contexts want another plan get a graph of their own (a graph's bucket only
+    bounds its longest row)."""
+    splits = fused_decode_plan(num_seqs, num_heads, num_kv_heads, head_dim, elem, block_size, device,
+                               prefix_tokens, num_context_tokens, max_context_len)
+    if splits is not None:
+        return splits, "fused"
     _, splits, tile = plan_relay_step([(num_seqs, prefix_tokens)], num_context_tokens, num_heads, num_kv_heads,
                                       head_dim, elem, device, overlapped=True)
-    return splits, "ws" in tile
+    return splits, "ws" if "ws" in tile else "tile"
 
 
 def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:

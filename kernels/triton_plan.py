@@ -152,6 +152,72 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2,
     return fit_smem(cfg, head_dim, elem)
 
 
+# Own keys a cache block holds on the GPU: the fused decode step (kernels/gluon_fused_relay.py)
+# reads one block a 64-key chunk, by one TMA each for its K and V. Elsewhere 16 (the CPU's
+# kernels gather key by key; a smaller block wastes less of a small cache). The other CUDA
+# kernels address any block size key by key. H200 (docs/kernels.md): relay's older plan
+# took the same time on 64-key blocks as on 16-key ones (llama3-8b and llama2-7b heads,
+# batch 64 and 256, 8,192 prefix tokens, 128 own; twenty-second session), and so did the
+# --no-relay baseline at batch 64, 8,192 own keys (2,178 and 492 us against the nineteenth
+# session's 2,165 and 484 on 16-key blocks, llama2-7b and llama3-8b heads; twenty-third).
+CUDA_BLOCK_SIZE = 64
+CPU_BLOCK_SIZE = 16
+
+
+def default_block_size(device: torch.device) -> int:
+    """The paged KV cache's keys a block where the engine's config leaves it open."""
+    return CUDA_BLOCK_SIZE if device.type == "cuda" else CPU_BLOCK_SIZE
+
+
+# The longest own context a fused decode step takes: its own keys are dealt to programs a
+# request at a time, so one long row sets the step's time (see fused_decode_plan).
+FUSED_MAX_OWN = 256
+
+
+def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, elem: int, block_size: int,
+                      device: torch.device, prefix_tokens: int, num_context_tokens: int,
+                      max_context_len: int) -> int | None:
+    """System splits of relay's fused decode step (kernels/gluon_fused_relay.py: the own keys
+    inside the warp-specialised system program) for num_seqs rows, all behind one prefix of
+    prefix_tokens, with num_context_tokens own keys in all and none longer than
+    max_context_len (a decode graph's context bucket); None where that kernel cannot run
+    (not sm_90, cache blocks other than 64 keys, not 16-bit, head_dim not 64 or 128, more
+    than 8 query heads a KV head, no prefix) or does not pay.
+
+    It pays where no own context is longer than FUSED_MAX_OWN and either its grid before
+    any split, ceil(rows * G / 128) x Hkv programs, has at least 4 row tiles a KV head (the
+    old plan then runs a warp-specialised system kernel that holds whole SMs, and the
+    context kernel after it) or the own contexts are at most 1/16 of the prefix on average.
+    H200, llama3-8b heads, graphed, L2 flushed, every row the same length (docs/kernels.md,
+    twenty-second session), old plan -> fused: batch 256, 8,192 + 128 own keys 110.1 ->
+    77.3 us, 2,048 + 128 64.8 -> 59.3, 4,096 + 300 114.8 -> 108.2, 4,096 + 512 162.4 ->
+    155.7; batch 64, 8,192 + 128 47.6 -> 33.8, 16,384 + 128 61.1 -> 47.4, 4,096 + 32 32.4
+    -> 25.9, and where it loses, 4,096 + 300 41.7 -> 46.8 (the old plan's context kernel then
+    runs beside a resident system kernel and reads the own keys faster than one own-key
+    warpgroup an SM) and 2,048 + 128 28.1 -> 28.5. llama2-7b heads, 8,192 + 128: batch 256
+    194.8 -> 177.5, batch 64 87.8 -> 78.9. The length cap: a program attends the own keys of
+    its requests one after another, 8-16 of them at batch 256, so under ragged lengths the
+    program with the longest rows sets the time. Whole llama3 jobs of ShareGPT-like lengths
+    (about 400 own keys a row on average, a long tail) with the fused step wherever the mean
+    was at most 1,024 were 5-6% slower than without it (34.8 against 36.6 requests/s at
+    8,192 prefix tokens, 38.7 against 41.2 at 2,048; twenty-third session).
+
+    Splits: the most (a power of two) that keep the grid within one program an SM (the
+    program holds an SM's registers), and at least 256 prefix keys a split.
+    """
+    group = num_heads // num_kv_heads
+    if not (is_sm90(device) and block_size == 64 and elem == 2 and head_dim in (64, 128)
+            and 1 <= group <= 8 and prefix_tokens > 0 and num_seqs > 0 and max_context_len <= FUSED_MAX_OWN):
+        return None
+    row_tiles = -(-num_seqs * group // 128)
+    if not (row_tiles >= 4 or 16 * num_context_tokens <= prefix_tokens * num_seqs):
+        return None
+    programs, splits = row_tiles * num_kv_heads, 1
+    while programs * splits * 2 <= num_sms(device) and prefix_tokens >= 2 * splits * 256:
+        splits *= 2
+    return splits
+
+
 def smem_per_block(device: torch.device) -> int:
     """Shared memory one program may claim, less a margin for the compiler's own use."""
     props = torch.cuda.get_device_properties(device)

@@ -11,7 +11,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in flight (--max-batch)
     max_num_batched_tokens: int = 8192  # prompt tokens one prefill step may take
     min_prefill_seqs: int | None = None  # free slots that start a prefill round; None: max_num_seqs // 8
-    block_size: int = 16
+    block_size: int | None = None  # own keys a KV cache block; None: kernels.triton_plan.default_block_size
     kv_cache_gb: float | None = None  # None: a share of free memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
     relay: bool = True  # False: the --no-relay baseline
@@ -25,7 +25,7 @@ class EngineConfig:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_gb is not None and not 0 < self.kv_cache_gb < math.inf:
             raise ValueError(f"--kv-cache-gb must be a positive number of GiB, got {self.kv_cache_gb}")

@@ -21,7 +21,8 @@ row, not 256); `ws-always` keeps the warp-specialised system tile wherever syste
 gives it, at its own split plan, instead of giving way to the 64-row tile where that fits
 beside the context; `bucket-priced` plans the system step of a decode graph for its
 context bucket's bound, one graph a bucket, as before the seventeenth session (the default
-prices the step's real own keys, a graph for each plan); `prefill-serial` reads a prefill
+prices the step's real own keys, a graph for each plan); `no-fused` never runs the fused
+own-key kernel (kernels/gluon_fused_relay.py), as before the twenty-third session; `prefill-serial` reads a prefill
 back before the next step launches, as the engine did before the eleventh session
 (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
@@ -102,7 +103,10 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "ws-always": dict(ws_always=True),
             # the system plan priced at the context bucket's bound, one graph a bucket (before
             # the seventeenth session), not at the step's real own keys
-            "bucket-priced": dict(bucket_priced=True)}
+            "bucket-priced": dict(bucket_priced=True),
+            # the plans before the twenty-third session: no graphed step runs the fused own-key
+            # kernel (kernels/gluon_fused_relay.py)
+            "no-fused": dict(no_fused=True)}
 
 
 def resolve(name: str) -> dict:
@@ -133,6 +137,8 @@ def variant(change: dict):
     min_bucket = change.pop("min_context_bucket", min_bucket_was)
     ws_always = change.pop("ws_always", False)
     bucket_priced = change.pop("bucket_priced", False)
+    no_fused = change.pop("no_fused", False)
+    fused_plan = triton_ops.fused_decode_plan
     graph_plan = cuda_graph.DecodeGraphs._plan
     plan = triton_ops.plan_system
     config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
@@ -157,7 +163,7 @@ def variant(change: dict):
     tca.paged_config = tile
     cuda_graph.MIN_CONTEXT_BUCKET = min_bucket  # context_bucket and all_keys read it as they run
     if bucket_priced:  # one plan a bucket, and graphs captured without a total: priced at the bound
-        cuda_graph.DecodeGraphs._plan = lambda graphs, bs, slot, tokens: None
+        cuda_graph.DecodeGraphs._plan = lambda graphs, bs, slot, tokens, ctx: None
     if ws_always:
         def plan_ws(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work):
             rows = max(n for n, _ in sizes) * (num_heads // num_kv_heads)
@@ -166,6 +172,8 @@ def variant(change: dict):
                 config, resident = tile, False
             return plan(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work)
         triton_ops.plan_system = plan_ws
+    if no_fused:  # both of triton_ops' callers (the graph key's plan, the step) look it up there
+        triton_ops.fused_decode_plan = lambda *args: None
     if unroll is not None:
         triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
     if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
@@ -191,6 +199,7 @@ def variant(change: dict):
         model_runner.layer_ops = ops_for
         cuda_graph.MIN_CONTEXT_BUCKET, triton_ops.plan_system = min_bucket_was, plan
         cuda_graph.DecodeGraphs._plan = graph_plan
+        triton_ops.fused_decode_plan = fused_plan
 
 
 def percent(fraction: float | None) -> str:

@@ -57,7 +57,14 @@
 # fused (at most 9.5 minutes, twenty-second session): the GPU tests of kernels/gluon_fused_relay.py
 # (the own keys inside the warp-specialised system program), then the fused step against the
 # engine's plan at llama3 and llama2 shapes and own contexts of 32-512 keys (scripts/device_fused_relay.py).
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|l2|bench-kernels|tests-kernels|tests-ops ...]
+# fused-engine (at most 9.2 minutes, twenty-third session): the fused step's GPU tests, the
+# graphed relay steps' tests and the kernel table, now that graphed decode steps run it where
+# triton_plan.fused_decode_plan says it pays. fused-jobs (at most 9 minutes): the wide and
+# bf16 greedy checks with and without it, and whole llama3 jobs against no-fused (ShareGPT-like:
+# with the fused step wherever the mean own context was at most 1,024, 5-6% slower, so the
+# plan caps the longest at 256). fused-short (at most 9.2 minutes): the fused tests, then
+# whole jobs of short requests and of ShareGPT-like ones against no-fused under that cap.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|fused-engine|fused-jobs|fused-short|l2|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -184,6 +191,28 @@ for part in "${parts[@]}"; do
           --shapes llama3-8b:256 llama3-8b:64 --prefix 4096 --own $own --tag "fused_relay_own$own" \
           2>&1 | tee -a "$OUT/fused_relay.log" | grep -v '^check .* ok$' | tail -8
       done ;;
+    fused-engine)  # the fused step as the engine's plan (twenty-third session): its GPU tests (the
+      # graphed step among them), the graphed relay steps' tests, and the kernel table
+      timeout 200 python3 -m pytest -q tests/test_gluon_fused_relay.py 2>&1 | tee "$OUT/fused_tests.log" | tail -3
+      relay_step_tests 150 "$OUT/relay_step_tests.log"
+      timeout 200 python3 scripts/device_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    fused-jobs)  # greedy relay with and without the fused step against --no-relay, then whole
+      # llama3 jobs at S = 8,192 and 2,048 (default against no-fused)
+      timeout 150 python3 scripts/device_e2e.py --parts wide,bfloat16 2>&1 | tee "$OUT/e2e_fused.log" \
+        | grep -v "it/s" | tail -4
+      for system in 8192 2048; do
+        OUT="$OUT/fused_ab_$system" timeout 190 python3 scripts/device_ab_context.py --system $system --repeats 2 \
+          --variants default,no-fused 2>&1 | grep -E "^(run|median)"
+      done | tee "$OUT/fused_ab.log" ;;
+    fused-short)  # the fused step's GPU tests, then whole llama3 jobs at S = 8,192 of short
+      # requests (the fused step's case: no own context past FUSED_MAX_OWN) and of ShareGPT-like ones
+      timeout 120 python3 -m pytest -q tests/test_gluon_fused_relay.py 2>&1 | tee "$OUT/fused_tests.log" | tail -2
+      for workload in fixed-32-16 fixed-128-64; do
+        OUT="$OUT/fused_ab_$workload" timeout 150 python3 scripts/device_ab_context.py --workload $workload \
+          --system 8192 --requests 1000 --repeats 2 --variants default,no-fused 2>&1 | grep -E "^(run|median)"
+      done | tee "$OUT/fused_short_ab.log"
+      OUT="$OUT/fused_ab_sharegpt" timeout 130 python3 scripts/device_ab_context.py --system 8192 --repeats 1 \
+        --variants default,no-fused 2>&1 | tee -a "$OUT/fused_short_ab.log" | grep -E "^(run|median)" ;;
     l2)  # the L2's read bandwidth, and what a llama3 step's kernels ask of it (twenty-first session)
       timeout 200 python3 scripts/device_l2_probe.py 2>&1 | tee "$OUT/l2_probe.log" | tail -14
       timeout 380 bash scripts/device_ncu.sh l2 2>&1 | tail -60 ;;

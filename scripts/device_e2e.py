@@ -14,6 +14,7 @@ Writes e2e.json under $OUT (or ./out) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import gc
 import json
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a bare checkout too
 
-from kernels import triton_plan  # noqa: E402
+from kernels import triton_ops  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids  # noqa: E402
 from relaycli.bench.e2e import run_engine  # noqa: E402
@@ -159,35 +160,35 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
 
 def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int, dtype: str) -> dict:
     """A full decode batch over a prefix longer than its rows' own contexts, where a graphed
-    relay step on Hopper runs the warp-specialised system kernel (triton_ops.plan_system):
-    greedy relay with it, relay with the 64-row system tile (triton_plan.ws_pays off) and
-    --no-relay, all graphed. Near-ties flip in bf16 (random weights give many), after which a
+    relay step on Hopper runs the fused own-key kernel (triton_plan.fused_decode_plan) or the
+    warp-specialised system kernel (triton_ops.plan_system): greedy relay with them, relay
+    without the fused kernel (triton_ops.fused_decode_plan off) and --no-relay, all graphed. Near-ties flip in bf16 (random weights give many), after which a
     sequence diverges, so each pair reports identical sequences and the tokens before each
     sequence's first difference: the pair without the new kernel is the noise floor."""
     rng = random.Random(0)
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     prefix = dummy_prefix(lm, prefix_tokens, rng)
     reqs = dummy_requests(lm, prefix, num_requests, max_tokens, rng)
-    outs, ws_graphs = {}, {}
-    pays = triton_plan.ws_pays
-    for name, relay in (("relay", True), ("relay_64_row_tile", True), ("no_relay", False)):
-        if name == "relay_64_row_tile":
-            triton_plan.ws_pays = lambda *args: False
+    outs, kinds = {}, {}
+    plan = triton_ops.fused_decode_plan
+    for name, relay in (("relay", True), ("relay_unfused", True), ("no_relay", False)):
+        if name == "relay_unfused":  # both of triton_ops' callers look the plan up there
+            triton_ops.fused_decode_plan = lambda *args: None
         try:
             eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=num_requests, relay=relay, cuda_graphs=True),
                          record_token_ids=True)
             assert len(list(eng.generate_tokens(reqs))) == num_requests
             outs[name] = eng.token_ids_by_row
-            # decode graphs whose system plan is the warp-specialised tile (key: ..., (splits, ws))
+            # decode graphs by the kernel of their system plan (key: ..., (splits, kernel))
             graphs = eng.runner.graphs.graphs if eng.runner.graphs is not None else {}
-            ws_graphs[name] = sum(1 for key in graphs if key[3] is not None and key[3][1])
+            kinds[name] = dict(collections.Counter(key[3][1] for key in graphs if key[3] is not None))
         finally:
-            triton_plan.ws_pays = pays
+            triton_ops.fused_decode_plan = plan
         del eng
         gc.collect()
     report = {"preset": preset, "dtype": dtype, "prefix": prefix_tokens, "requests": num_requests,
-              "warp_specialised_graphs": ws_graphs}
-    for a, b in (("relay", "no_relay"), ("relay_64_row_tile", "no_relay"), ("relay", "relay_64_row_tile")):
+              "graphs_by_system_kernel": kinds}
+    for a, b in (("relay", "no_relay"), ("relay_unfused", "no_relay"), ("relay", "relay_unfused")):
         same = agree = total = 0
         for req in reqs:
             x, y = outs[a][req.row_index], outs[b][req.row_index]

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """The own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py)
-against the engine's plan (issue 5's llama3 whole-relay target).
+against the older plan (issue 5's llama3 whole-relay target).
 
-Per shape (decode, bf16, prefix --prefix, --own own keys a request): the engine's plan on
-16-key pages and on 64-key pages (the fused kernel reads one 64-key block a chunk), the
+Per shape (decode, bf16, prefix --prefix, --own own keys a request): the plan of the
+engine before the twenty-third session (fused=False) on 16-key pages and on 64-key pages
+(the fused kernel reads one 64-key block a chunk), the engine's plan now (graphed, 64-key
+pages: the fused kernel where triton_plan.fused_decode_plan says it pays), the
 warp-specialised system kernel alone, and the fused step (fused kernel + merge) for each
 variant of its knobs (--variants; CTX_MODE 2 leaves the own keys out, to time the prefix
 part alone), with the compiled registers and spills. Every variant is checked
@@ -97,9 +99,12 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
         q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev, page=page)
         k_sys, v_sys = pre[0]
         want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k_sys.float(), v_sys.float())], scale)
-        plan = lambda: relay_attention_with(q, kc, vc, meta, pre, scale)  # noqa: E731
+        plan = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, fused=False)  # noqa: E731
         dk.check(f"{case} plan page {page}", plan(), want)
         record(f"plan, page {page}", dk.bench_us(plan))
+    engine = lambda: relay_attention_with(q, kc, vc, meta, pre, scale)  # noqa: E731
+    dk.check(f"{case} engine plan (graphed)", dk.replayed(engine), want)
+    record("engine plan, page 64", dk.bench_us(engine))
     programs = triton.cdiv(batch * group, WS_TILE["BLOCK_M"]) * hkv
     splits = splits_for(programs, dev)
     o_p = torch.empty(splits, batch, hq, d, device=dev)

@@ -37,7 +37,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import paged_attention  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
-from kernels.triton_plan import split_plan, system_config  # noqa: E402
+from kernels.triton_plan import default_block_size, split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
@@ -95,6 +95,17 @@ def bench_both_us(fn, both: bool = True) -> tuple[float, float | None]:
     return t
 
 
+def replayed(fn) -> torch.Tensor:
+    """fn's result through a CUDA graph's replay: the paths taken only under capture."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def eager_us(fn) -> float:
     """Eager time including Python and launch overhead (hidden only behind do_bench's L2 flush)."""
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
@@ -106,12 +117,13 @@ def ceilings(dev) -> dict:
     return dict(copy_bytes_per_s=ceil.bandwidth, bf16_flops_per_s=ceil.matmul_rate)
 
 
-def build(hq, hkv, d, batch, prefix, own, dev, page=16, dtype=torch.bfloat16):
+def build(hq, hkv, d, batch, prefix, own, dev, page=None, dtype=torch.bfloat16):
     """Decode step: q [B, Hq, D], shuffled paged own keys, one prefix shared by every request.
-    Fresh random inputs every call (relay bench's builder, with a randomly seeded generator)."""
+    Fresh random inputs every call (relay bench's builder, with a randomly seeded generator).
+    page: keys a cache block (None: the engine's, triton_plan.default_block_size)."""
     gen = torch.Generator(device=dev)
     gen.seed()
-    return build_step(hq, hkv, d, batch, prefix, own, dev, dtype, gen, page)
+    return build_step(hq, hkv, d, batch, prefix, own, dev, dtype, gen, page or default_block_size(dev))
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -191,6 +203,9 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     for label, kw in (("relay fused", {}), ("relay overlap", dict(overlap=True)),
                       ("relay overlap, context first", dict(overlap=True, system_side=False, resident=False))):
         check(f"{case} {label}", relay_attention_with(q, kc, vc, meta, pre, scale, **kw), want_o)
+    # the engine's plan of a graphed decode step (the fused own-key kernel where it pays)
+    check(f"{case} relay engine plan (graphed)", replayed(lambda: relay_attention_with(q, kc, vc, meta, pre, scale)),
+          want_o)
     tot = kv_sys + kv_own + qo
     if sys_only:
         for cfg in SYS_SWEEP:
@@ -201,7 +216,8 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
                 add(case, "(a) system kernel [sweep]", bench_both_us(run_cfg), kv_sys + qo, flops_sys, ceil, None, cfg)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
                 print(f"config {cfg} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True))):
+        for label, kw in (("engine plan", {}), ("fused epilogue", dict(overlap=False, fused=False)),
+                          ("overlap", dict(overlap=True, fused=False))):
             fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
             add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, None, "default")
         return
@@ -216,8 +232,11 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     torch.cuda.empty_cache()
     add(case, f"(d) cuDNN per-request ({how})", t_cudnn, tot, flops_all, ceil, t_cudnn, eager=e_cudnn)
     add(case, "(a) system kernel", bench_both_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
-    for label, kw in (("fused", dict(overlap=False)), ("overlap", dict(overlap=True)),
-                      ("overlap, context first", dict(overlap=True, system_side=False, resident=False))):
+    # (b) relay engine plan: what a graphed decode step of the engine runs (triton_plan.fused_decode_plan
+    # picks the fused own-key kernel where it pays); the others are the older plans, fused=False
+    for label, kw in (("engine plan", {}), ("fused epilogue", dict(overlap=False, fused=False)),
+                      ("overlap", dict(overlap=True, fused=False)),
+                      ("overlap, context first", dict(overlap=True, system_side=False, resident=False, fused=False))):
         fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
         add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, t_cudnn, "default",
             eager_us(fn_relay))

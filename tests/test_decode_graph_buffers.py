@@ -96,7 +96,7 @@ def test_batch_buckets_pad_little_where_the_matrix_products_are_bound_by_flops()
     padding rows cost as much as real ones) a step pays for at most 31 of them up to 256
     and 63 above."""
     from types import SimpleNamespace
-    this = SimpleNamespace(max_context=1 << 20, _plan=lambda bs, slot, tokens: None)
+    this = SimpleNamespace(max_context=1 << 20, _plan=lambda bs, slot, tokens, ctx: None)
     for n in range(1, 513):
         bs, _, _, _ = DecodeGraphs._bucket(this, n, 10, None, 10 * n)
         assert bs >= n and all(b < n for b in BATCH_BUCKETS if b < bs)
@@ -127,8 +127,8 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
         WS_TILE if triton_plan.ws_pays(rows, kv_heads, 132) else DECODE_TILE))
     cpu = torch.device("cpu")
 
-    def plan(bs, num_heads, slot, tokens):  # llama3-8b heads under an 8,192-token prompt
-        return triton_ops.graphed_decode_plan(bs, 32, 8, 128, 2, cpu, 8192, tokens)
+    def plan(bs, num_heads, slot, tokens, ctx):  # llama3-8b heads under an 8,192-token prompt
+        return triton_ops.graphed_decode_plan(bs, 32, 8, 128, 2, cpu, 8192, tokens, 16, ctx)
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
     engine = Engine(lm, [prefix_from_ids(lm, [1, 2, 3])], EngineConfig(max_num_seqs=256, kv_cache_gb=0.01))
     graphs = DecodeGraphs(engine.runner, 256, scratch_block=engine.runner.num_blocks)
@@ -140,7 +140,7 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
     # one bucket, two plans: the warp-specialised tile where the system step is the longer
     # (sixteenth session's device run: 81.5 against 111.6 us at 32 own keys a row)
     assert short[:3] == full[:3] == (256, 256, 0)
-    assert short[3] == (2, True) and full[3] == (1, False)
+    assert short[3] == (2, "ws") and full[3] == (1, "tile")
     keys = graphs.all_keys(256, 256, [0])
     assert short in keys and full in keys and len(set(keys)) == len(keys)
     rng = random.Random()
@@ -150,8 +150,54 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
         assert key in keys, key
     for key in keys:  # a key's graph is captured at a total that plans as the key says
         meta = graphs._meta(key)
-        assert plan(key[0], 32, 0, triton_ops.context_tokens(meta)) == key[3]
+        assert plan(key[0], 32, 0, triton_ops.context_tokens(meta), key[1]) == key[3]
     meta = graphs._meta(full)
     assert triton_ops.context_tokens(meta) == meta.context_tokens <= 256 * 256
     meta.context_tokens = None  # without a total, a step is priced at its bucket's bound
     assert triton_ops.context_tokens(meta) == meta.num_seqs * meta.max_context_len
+
+
+def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
+    """Where the fused own-key step runs (sm_90, 64-key blocks, 16-bit) and pays: the
+    H200 tables in triton_plan.fused_decode_plan's docstring."""
+    from kernels import triton_ops, triton_plan
+    monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_plan, "is_sm90", lambda device: True)
+    cpu = torch.device("cpu")
+
+    def plan(batch, prefix, own, heads=(32, 8, 128), elem=2, block=64, longest=256):
+        hq, hkv, d = heads
+        return triton_plan.fused_decode_plan(batch, hq, hkv, d, elem, block, cpu, prefix, batch * own, longest)
+    # llama3-8b heads: the shapes where it was faster, with the split counts timed there
+    assert plan(256, 8192, 128) == 2 and plan(128, 8192, 128) == 4 and plan(64, 8192, 128) == 8
+    assert plan(256, 2048, 128) == 2 and plan(256, 4096, 200) == 2
+    assert plan(64, 16384, 128) == 8 and plan(64, 4096, 32) == 8 and plan(16, 8192, 128) is not None
+    assert plan(256, 8192, 128, heads=(32, 32, 128)) == 2 and plan(64, 8192, 128, heads=(32, 32, 128)) == 4
+    # where the older plan was as fast or faster: its context kernel beside a resident system
+    # kernel at batch 64, and any row longer than FUSED_MAX_OWN (whole ShareGPT-like jobs)
+    assert plan(64, 2048, 129) is None and plan(64, 4096, 300, longest=1024) is None
+    assert plan(256, 8192, 128, longest=triton_plan.FUSED_MAX_OWN + 1) is None
+    assert plan(256, 4096, 300, longest=1024) is None
+    # shapes the kernel does not take
+    assert plan(256, 8192, 128, block=16) is None and plan(256, 8192, 128, elem=4) is None
+    assert plan(256, 8192, 128, heads=(32, 2, 128)) is None and plan(256, 8192, 128, heads=(32, 8, 96)) is None
+    assert plan(256, 0, 128) is None
+    # at least 256 prefix keys a split: a short prefix is not split into empty ranges
+    assert plan(1, 512, 8) == 2 and plan(1, 300, 8) == 1
+    # a graph key names the fused kernel with its splits; other keys keep their tile's name
+    assert triton_ops.graphed_decode_plan(256, 32, 8, 128, 2, cpu, 8192, 256 * 128, 64, 256) == (2, "fused")
+    assert triton_ops.graphed_decode_plan(256, 32, 8, 128, 2, cpu, 8192, 256 * 128, 64, 1024)[1] in ("ws", "tile")
+    monkeypatch.setattr(triton_plan, "is_sm90", lambda device: False)
+    assert plan(256, 8192, 128) is None
+
+
+def test_engine_cache_blocks_default_by_device():
+    """64-key blocks on CUDA (the fused step reads one a TMA chunk), 16 elsewhere; a config's
+    block size wins."""
+    from kernels.triton_plan import default_block_size
+    assert default_block_size(torch.device("cuda")) == 64 and default_block_size(torch.device("cpu")) == 16
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
+    assert Engine(lm, [], EngineConfig(kv_cache_gb=0.01)).runner.block_size == 16
+    engine = Engine(lm, [], EngineConfig(kv_cache_gb=0.01, block_size=64))
+    assert engine.runner.block_size == engine.block_manager.block_size == 64
+    assert engine.runner.k_caches[0].shape[1] == 64

@@ -77,3 +77,43 @@ def test_fused_relay_refuses_what_it_cannot_read():
         fused_relay_decode(q, k_sys, v_sys, small, small, meta.block_tables, meta.context_lens, 1.0, 1)
     with pytest.raises(AssertionError, match="registers"):
         fused_relay_decode(q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, 1.0, 1, sys_regs=200)
+
+
+def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
+    # relay's Triton step captured in a CUDA graph takes the fused kernel where the plan says
+    # it pays (a graph's padding rows have no own keys: context_lens 0), and the same step
+    # run eagerly, or with fused=False, takes the older paths: all equal to the reference
+    import kernels.gluon_fused_relay as gfr
+    from kernels import triton_ops
+    launches = []
+
+    def counted(*args, **kw):
+        launches.append(args[-1])
+        return fused_relay_decode(*args, **kw)
+    monkeypatch.setattr(gfr, "fused_relay_decode", counted)
+    rng = random.Random()
+    for (hq, hkv, d), batch, prefix in (((32, 8, 128), 256, 8192), ((9, 3, 64), 48, 4096), ((32, 32, 128), 64, 4096)):
+        lens = [rng.randint(1, 200) for _ in range(batch)]
+        q, kc, vc, pre, meta = _step(hq, hkv, d, lens, prefix, torch.bfloat16)
+        k_sys, v_sys = pre[0]
+        want = ref.relay_attention(q.double(), kc.double(), vc.double(), meta, [(k_sys.double(), v_sys.double())],
+                                   d ** -0.5)
+        pads = rng.sample(range(batch), batch // 8)
+        meta.context_lens[pads] = 0  # padding rows: their outputs are dropped, only finite
+        real = torch.ones(batch, dtype=torch.bool, device=q.device)
+        real[pads] = False
+        for fused in (None, False):
+            launches.clear()
+            step = lambda: triton_ops.relay_attention_with(q, kc, vc, meta, pre, d ** -0.5, fused=fused)  # noqa: E731
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert len(launches) == (1 if fused is None else 0), (hq, hkv, batch, fused)
+            err = ((out[real].double() - want[real]).norm() / want[real].norm()).item()
+            assert torch.isfinite(out).all() and err < 1e-2, (hq, hkv, batch, fused, err)
+        eager = triton_ops.relay_attention(q, kc, vc, meta, pre, d ** -0.5)
+        err = ((eager[real].double() - want[real]).norm() / want[real].norm()).item()
+        assert err < 1e-2

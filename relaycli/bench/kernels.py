@@ -1,7 +1,8 @@
 """Decode attention alone: relay against the --no-relay baseline and per-request SDPA.
 
 One layer's decode step: B requests, one S-token system prefix shared by all, C own
-keys each in a paged cache (16-token pages, shuffled block table), random inputs.
+keys each in a paged cache (the engine's blocks: 64 keys on CUDA, 16 elsewhere; shuffled
+block table), random inputs.
   relay     system step for the whole batch + paged context step + exact fusion
   no-relay  one softmax per request over prefix + own keys (prefix read per request)
   sdpa      torch's scaled_dot_product_attention per request on contiguous KV
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from kernels import reference
 from kernels.backend import triton_available
 from kernels.metadata import AttentionMetadata, PrefixGroup
+from kernels.triton_plan import default_block_size
 from models.dummy import dummy_config
 from models.registry import resolve_device, resolve_dtype
 from relaycli.bench.report import machine_info
@@ -155,7 +157,8 @@ def run_kernels(opts: KernelOptions, progress: Callable[[str], None] | None = No
     elem = torch.empty((), dtype=dtype).element_size()
     for s in opts.system_tokens:
         for b in opts.batch:
-            q, kc, vc, pre, meta = build_step(hq, hkv, d, b, s, opts.own_tokens, dev, dtype, gen)
+            q, kc, vc, pre, meta = build_step(hq, hkv, d, b, s, opts.own_tokens, dev, dtype, gen,
+                                              default_block_size(dev))
             floor = attention_floor(hq, hkv, d, b, s, opts.own_tokens, elem, ceil)
             fns = {"relay": lambda: ops.relay_attention(q, kc, vc, meta, pre, scale),
                    "no-relay": lambda: ops.prefix_paged_attention(q, kc, vc, meta, pre, scale)}

@@ -11,7 +11,8 @@ lazily per (batch bucket, context bucket, prefix slot, system plan) on static in
   each row's true length from context_lens, the bucket only sizes their split plan;
 - prefix slot: every sequence of a graphed step shares one loaded prefix (or none),
   the common case of a job. Other steps run eagerly, computing the same function;
-- system plan: relay's split count and tile for the system kernel, which the step prices
+- system plan: relay's split count and kernel for the system step (the fused own-key
+  kernel where its bucket allows, else the system kernel's tile), which the step prices
   by its real own keys (their sum, known on the host), not by the bucket's bound. The
   same bucket holds steps of 40 and of 250 keys a row, and under a long prompt the two
   want different tiles (H200, llama3-8b heads, batch 256, 8,192 prefix tokens, 32 own:
@@ -97,10 +98,11 @@ class DecodeGraphs:
 
     def _bucket(self, num_seqs: int, longest: int, slot: int | None, tokens: int) -> tuple:
         bs = next(b for b in BATCH_BUCKETS if b >= num_seqs)
-        return bs, min(context_bucket(longest), self.max_context), slot, self._plan(bs, slot, tokens)
+        ctx = min(context_bucket(longest), self.max_context)
+        return bs, ctx, slot, self._plan(bs, slot, tokens, ctx)
 
-    def _plan(self, bs: int, slot: int | None, tokens: int):
-        return self.attention.graphed_decode_plan(bs, self.num_heads, slot, tokens)
+    def _plan(self, bs: int, slot: int | None, tokens: int, ctx: int):
+        return self.attention.graphed_decode_plan(bs, self.num_heads, slot, tokens, ctx)
 
     def all_keys(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> list[tuple]:
         """Every key a step of at most max_num_seqs sequences, none longer than
@@ -119,7 +121,7 @@ class DecodeGraphs:
                     ctx = min(ctx, self.max_context)
                     tokens = bs * ctx
                     while tokens >= 1:
-                        key = (bs, ctx, slot, self._plan(bs, slot, tokens))
+                        key = (bs, ctx, slot, self._plan(bs, slot, tokens, ctx))
                         if key not in keys:
                             keys.append(key)
                             self.key_tokens.setdefault(key, tokens)

@@ -130,7 +130,7 @@ class Engine:
         self.loaded = loaded
         self.artifacts = list(artifacts)
         self.runner = ModelRunner(loaded, [PrefixKV(a.keys, a.values) for a in self.artifacts], self.config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.matcher = PromptMatcher(loaded.tokenizer, self.artifacts) if loaded.tokenizer else None
         self.max_context = loaded.config.max_position_embeddings
@@ -187,7 +187,7 @@ class Engine:
         if not self.scheduler.fits_ever(seq, max_new):
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: prompt plus max_tokens needs "
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
-                                    f"{self.block_manager.num_blocks * self.config.block_size}; lower max_tokens "
+                                    f"{self.block_manager.num_blocks * self.runner.block_size}; lower max_tokens "
                                     "or raise --kv-cache-gb", req.url)
         seq.sampling = SamplingOptions(max_new, opts.temperature, opts.top_p, opts.top_k, opts.seed, opts.stop,
                                        opts.ignore_eos)

@@ -9,6 +9,7 @@ import torch
 
 from kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
 from kernels.metadata import AttentionMetadata, PrefixGroup
+from kernels.triton_plan import default_block_size
 from models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.sampler import Sampler
@@ -49,7 +50,7 @@ class ModelRunner:
         self.mc = loaded.config
         self.device = loaded.model.device
         self.dtype = loaded.model.dtype
-        self.block_size = config.block_size
+        self.block_size = config.block_size or default_block_size(self.device)
         if config.attention_impl == "triton" and not triton_runs_on(self.device):
             raise ValueError(f"--attention-impl triton needs a CUDA GPU with Triton, and this run is on "
                              f"{self.device}; use auto, torch or cpu-flash")
