@@ -40,6 +40,7 @@ from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
 from kernels.gluon_system_attention import gluon_system_attention_into  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_plan import WS_TILE  # noqa: E402
+from relaycli.bench.timing import replayed  # noqa: E402
 
 
 # BLOCK_N:STAGES:CTX_STAGES:CTX_MODE:SYS_REGS:CTX_REGS (kernels/gluon_fused_relay.py's knobs)
@@ -103,7 +104,7 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
         dk.check(f"{case} plan page {page}", plan(), want)
         record(f"plan, page {page}", dk.bench_us(plan))
     engine = lambda: relay_attention_with(q, kc, vc, meta, pre, scale)  # noqa: E731
-    dk.check(f"{case} engine plan (graphed)", dk.replayed(engine), want)
+    dk.check(f"{case} engine plan (graphed)", replayed(engine), want)
     record("engine plan, page 64", dk.bench_us(engine))
     programs = triton.cdiv(batch * group, WS_TILE["BLOCK_M"]) * hkv
     splits = splits_for(programs, dev)

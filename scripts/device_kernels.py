@@ -41,7 +41,7 @@ from kernels.triton_plan import default_block_size, split_plan, system_config  #
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
-from relaycli.bench.timing import cuda_median_us, l2_flusher  # noqa: E402
+from relaycli.bench.timing import cuda_median_us, l2_flusher, replayed  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, tma=True, gluon=g, ws=ws)
@@ -93,17 +93,6 @@ def bench_both_us(fn, both: bool = True) -> tuple[float, float | None]:
     t = cuda_median_us(run, flusher("clean")), cuda_median_us(run, flusher("dirty")) if both else None
     del graph
     return t
-
-
-def replayed(fn) -> torch.Tensor:
-    """fn's result through a CUDA graph's replay: the paths taken only under capture."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return out
 
 
 def eager_us(fn) -> float:

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_plan import is_sm90  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
+from relaycli.bench.timing import replayed  # noqa: E402
 
 if not is_sm90(torch.device("cuda")):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
@@ -105,12 +106,7 @@ def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
         for fused in (None, False):
             launches.clear()
             step = lambda: triton_ops.relay_attention_with(q, kc, vc, meta, pre, d ** -0.5, fused=fused)  # noqa: E731
-            step()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            graph.replay()
-            torch.cuda.synchronize()
+            out = replayed(step)
             assert len(launches) == (1 if fused is None else 0), (hq, hkv, batch, fused)
             err = ((out[real].double() - want[real]).norm() / want[real].norm()).item()
             assert torch.isfinite(out).all() and err < 1e-2, (hq, hkv, batch, fused, err)

@@ -62,3 +62,16 @@ def cuda_median_us(run: Callable[[], object], flush: str | Callable[[], None] = 
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def replayed(fn: Callable[[], object]):
+    """fn's result through a CUDA graph's replay (after one eager warm-up call): the paths a
+    step takes only under capture, as the engine's decode graphs run them."""
+    import torch
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
