@@ -248,7 +248,9 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     g = hq // hkv
     assert q.is_contiguous() and k_sys.is_contiguous() and v_sys.is_contiguous(), "contiguous q and system KV"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and 1 <= g <= QN.value
+    # a program's own keys are those of its 128 / G requests: G must divide the 128 rows, or
+    # requests that straddle two programs' rows would get no own partial
+    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and g in (1, 2, 4, 8)
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
     assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * launch_regs, \

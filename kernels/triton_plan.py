@@ -181,41 +181,46 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     inside the warp-specialised system program) for num_seqs rows, all behind one prefix of
     prefix_tokens, with num_context_tokens own keys in all and none longer than
     max_context_len (a decode graph's context bucket); None where that kernel cannot run
-    (not sm_90, cache blocks other than 64 keys, not 16-bit, head_dim not 64 or 128, more
-    than 8 query heads a KV head, no prefix) or does not pay.
+    (not sm_90, cache blocks other than 64 keys, not 16-bit, head_dim not 64 or 128, query
+    heads a KV head other than 1, 2, 4 or 8, no prefix) or does not pay.
 
-    It pays where no own context is longer than FUSED_MAX_OWN and either its grid before
-    any split, ceil(rows * G / 128) x Hkv programs, has at least 4 row tiles a KV head (the
-    old plan then runs a warp-specialised system kernel that holds whole SMs, and the
-    context kernel after it) or the own contexts are at most 1/16 of the prefix on average.
-    H200, llama3-8b heads, graphed, L2 flushed, every row the same length (docs/kernels.md,
-    twenty-second session), old plan -> fused: batch 256, 8,192 + 128 own keys 110.1 ->
-    77.3 us, 2,048 + 128 64.8 -> 59.3, 4,096 + 300 114.8 -> 108.2, 4,096 + 512 162.4 ->
-    155.7; batch 64, 8,192 + 128 47.6 -> 33.8, 16,384 + 128 61.1 -> 47.4, 4,096 + 32 32.4
-    -> 25.9, and where it loses, 4,096 + 300 41.7 -> 46.8 (the old plan's context kernel then
-    runs beside a resident system kernel and reads the own keys faster than one own-key
-    warpgroup an SM) and 2,048 + 128 28.1 -> 28.5. llama2-7b heads, 8,192 + 128: batch 256
-    194.8 -> 177.5, batch 64 87.8 -> 78.9. The length cap: a program attends the own keys of
-    its requests one after another, 8-16 of them at batch 256, so under ragged lengths the
-    program with the longest rows sets the time. Whole llama3 jobs of ShareGPT-like lengths
-    (about 400 own keys a row on average, a long tail) with the fused step wherever the mean
-    was at most 1,024 were 5-6% slower than without it (34.8 against 36.6 requests/s at
-    8,192 prefix tokens, 38.7 against 41.2 at 2,048; twenty-third session).
+    A program's own-key warpgroup attends its requests' own keys one 64-key chunk after
+    another while its prefix consumers take their share of the prefix, 64 keys a tile. It
+    pays where no own context is longer than FUSED_MAX_OWN and a program's own chunks (at
+    the mean length) are at most twice its prefix tiles. H200, llama3-8b heads, graphed, L2
+    flushed, every row the same length (docs/kernels.md, twenty-second session), old plan ->
+    fused (own chunks : prefix tiles a program): batch 256, 8,192 + 128 own keys 110.1 -> 77.3
+    us (32 : 64), 2,048 + 128 64.8 -> 59.3 (32 : 16), 4,096 + 32 62.0 -> 46.1 (16 : 32), 4,096 +
+    300 114.8 -> 108.2 (80 : 32), 4,096 + 512 162.4 -> 155.7 (128 : 32); batch 64, 8,192 + 128
+    47.6 -> 33.8 (8 : 16), 16,384 + 128 61.1 -> 47.4, 4,096 + 32 32.4 -> 25.9, 2,048 + 128
+    28.1 -> 28.5 (8 : 4), and where it loses, 4,096 + 300 41.7 -> 46.8 (20 : 8: the old plan's
+    context kernel then runs beside a resident system kernel and reads the own keys faster
+    than one own-key warpgroup an SM); batch 256 with a short prefix, where the old plan is
+    the context kernel alone, would be far past the ratio. llama2-7b heads, 8,192 + 128:
+    batch 256 194.8 -> 177.5 (128 : 64), batch 64 87.8 -> 78.9 (32 : 32). The length cap:
+    a program takes its requests whole, 8-16 of them at batch 256, so under ragged lengths
+    the program with the longest rows sets the time. Whole llama3 jobs of ShareGPT-like
+    lengths (about 400 own keys a row on average, a long tail) with the fused step wherever
+    the mean was at most 1,024 at batch 97 and more were 5-6% slower than without it (34.8
+    against 36.6 requests/s at 8,192 prefix tokens, 38.7 against 41.2 at 2,048;
+    twenty-third session).
 
     Splits: the most (a power of two) that keep the grid within one program an SM (the
     program holds an SM's registers), and at least 256 prefix keys a split.
     """
     group = num_heads // num_kv_heads
     if not (is_sm90(device) and block_size == 64 and elem == 2 and head_dim in (64, 128)
-            and 1 <= group <= 8 and prefix_tokens > 0 and num_seqs > 0 and max_context_len <= FUSED_MAX_OWN):
+            and group in (1, 2, 4, 8) and prefix_tokens > 0 and num_seqs > 0 and max_context_len <= FUSED_MAX_OWN):
         return None
-    row_tiles = -(-num_seqs * group // 128)
-    if not (row_tiles >= 4 or 16 * num_context_tokens <= prefix_tokens * num_seqs):
-        return None
+    rows_per_tile = 128 // group
+    row_tiles = -(-num_seqs // rows_per_tile)
     programs, splits = row_tiles * num_kv_heads, 1
     while programs * splits * 2 <= num_sms(device) and prefix_tokens >= 2 * splits * 256:
         splits *= 2
-    return splits
+    requests = -(-min(num_seqs, rows_per_tile) // splits)
+    own_chunks = requests * max(1, -(-num_context_tokens // (num_seqs * 64)))
+    prefix_tiles = -(-prefix_tokens // (splits * 64))
+    return splits if own_chunks <= 2 * prefix_tiles else None
 
 
 def smem_per_block(device: torch.device) -> int:

@@ -174,13 +174,17 @@ def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     assert plan(64, 16384, 128) == 8 and plan(64, 4096, 32) == 8 and plan(16, 8192, 128) is not None
     assert plan(256, 8192, 128, heads=(32, 32, 128)) == 2 and plan(64, 8192, 128, heads=(32, 32, 128)) == 4
     # where the older plan was as fast or faster: its context kernel beside a resident system
-    # kernel at batch 64, and any row longer than FUSED_MAX_OWN (whole ShareGPT-like jobs)
-    assert plan(64, 2048, 129) is None and plan(64, 4096, 300, longest=1024) is None
+    # kernel at batch 64 (more than twice as many own chunks as prefix tiles a program), a
+    # prefix too short to hide the own keys behind, and any row longer than FUSED_MAX_OWN
+    # (whole ShareGPT-like jobs)
+    assert plan(64, 2048, 128) == 8 and plan(64, 2048, 129) is None and plan(64, 4096, 300, longest=1024) is None
+    assert plan(256, 64, 200) is None and plan(256, 1024, 128) is None and plan(256, 1024, 64) == 2
     assert plan(256, 8192, 128, longest=triton_plan.FUSED_MAX_OWN + 1) is None
     assert plan(256, 4096, 300, longest=1024) is None
     # shapes the kernel does not take
     assert plan(256, 8192, 128, block=16) is None and plan(256, 8192, 128, elem=4) is None
     assert plan(256, 8192, 128, heads=(32, 2, 128)) is None and plan(256, 8192, 128, heads=(32, 8, 96)) is None
+    assert plan(256, 8192, 128, heads=(9, 3, 64)) is None  # G = 3 does not divide a program's 128 rows
     assert plan(256, 0, 128) is None
     # at least 256 prefix keys a split: a short prefix is not split into empty ranges
     assert plan(1, 512, 8) == 2 and plan(1, 300, 8) == 1

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels import reference as ref  # noqa: E402
-from kernels.triton_plan import is_sm90  # noqa: E402
+from kernels.triton_plan import fused_decode_plan, is_sm90  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.timing import replayed  # noqa: E402
 
@@ -76,6 +76,10 @@ def test_fused_relay_refuses_what_it_cannot_read():
     small = kc.view(-1, 16, *kc.shape[2:])  # 16-key blocks: one TMA a chunk needs 64
     with pytest.raises(AssertionError):
         fused_relay_decode(q, k_sys, v_sys, small, small, meta.block_tables, meta.context_lens, 1.0, 1)
+    q3 = torch.randn(2, 9, 128, device="cuda", dtype=torch.bfloat16)  # G = 3 does not divide 128 rows
+    with pytest.raises(AssertionError):
+        fused_relay_decode(q3, k_sys[:, :3].contiguous(), v_sys[:, :3].contiguous(), kc[:, :, :3].contiguous(),
+                           vc[:, :, :3].contiguous(), meta.block_tables, meta.context_lens, 1.0, 1)
     with pytest.raises(AssertionError, match="registers"):
         fused_relay_decode(q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, 1.0, 1, sys_regs=200)
 
@@ -84,6 +88,7 @@ def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
     # relay's Triton step captured in a CUDA graph takes the fused kernel where the plan says
     # it pays (a graph's padding rows have no own keys: context_lens 0), and the same step
     # run eagerly, or with fused=False, takes the older paths: all equal to the reference
+    # (G = 4, 2 and 1; G = 3, SmolLM2's, keeps the older paths: see test_fused_relay_refuses...)
     import kernels.gluon_fused_relay as gfr
     from kernels import triton_ops
     launches = []
@@ -93,9 +98,12 @@ def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
         return fused_relay_decode(*args, **kw)
     monkeypatch.setattr(gfr, "fused_relay_decode", counted)
     rng = random.Random()
-    for (hq, hkv, d), batch, prefix in (((32, 8, 128), 256, 8192), ((9, 3, 64), 48, 4096), ((32, 32, 128), 64, 4096)):
-        lens = [rng.randint(1, 200) for _ in range(batch)]
+    for (hq, hkv, d), batch, prefix, longest in (((32, 8, 128), 256, 8192, 200), ((32, 16, 64), 160, 8192, 100),
+                                                 ((32, 32, 128), 64, 8192, 100)):
+        lens = [rng.randint(1, longest) for _ in range(batch)]
         q, kc, vc, pre, meta = _step(hq, hkv, d, lens, prefix, torch.bfloat16)
+        # shapes the plan gives the fused kernel (priced as a graph without a total: rows x longest)
+        assert fused_decode_plan(batch, hq, hkv, d, 2, 64, q.device, prefix, batch * max(lens), max(lens))
         k_sys, v_sys = pre[0]
         want = ref.relay_attention(q.double(), kc.double(), vc.double(), meta, [(k_sys.double(), v_sys.double())],
                                    d ** -0.5)
