@@ -23,8 +23,10 @@ the rest other heads' (finite, ignored). Own keys are paged; a chunk is one cach
 
 Result: the system partials at splits 0..num_splits-1 as the system kernel writes them, the
 own-key partial of every (request, head) at split num_splits, then merge_partials. Work:
-program (m, h, split) takes the own keys of its requests m*128/G + i, i = split,
-split + num_splits, ... < 128/G.
+program (m, h, split) takes the own keys of the requests whose first query row is among its
+128, ceil(m*128/G) + i, i = split, split + num_splits, ... (the twenty-third session found
+that the first form, m*128/G + i for i < 128/G, left a request of no program where G does
+not divide 128: at G = 3 request 84).
 
 H200 (docs/kernels.md, twenty-second session): llama3-8b heads, 8,192 + 128 own keys,
 77.3-78.6 us against the engine's plan's 109.9-110.1 at batch 256, 33.8-34.6 against
@@ -60,9 +62,9 @@ CTX_REGS = 136
 
 
 @gluon.jit
-def _num_items(req_base, n_queries, split, num_splits, RPC: gl.constexpr):
-    """Own-key items (requests) of a program: local i = split + k * num_splits < RPC."""
-    local = gl.minimum(n_queries - req_base, RPC)
+def _num_items(req_base, req_end, split, num_splits, RPC: gl.constexpr):
+    """Own-key items (requests) of a program: local i = split + k * num_splits < req_end - req_base."""
+    local = gl.minimum(req_end - req_base, RPC)
     return gl.maximum(gl.cdiv(local - split, num_splits), 0)
 
 
@@ -81,11 +83,11 @@ def _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C: gl.constexpr, 
 
 
 @gluon.jit
-def _ctx_schedule(ctx_ptr, req_base, split, num_splits, n_queries, G: gl.constexpr, C: gl.constexpr,
+def _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G: gl.constexpr, C: gl.constexpr,
                   WARPS: gl.constexpr, CTX_MODE: gl.constexpr):
     """What both own-key roles walk: (items, chunks, the first item's length)."""
-    n_items = _num_items(req_base, n_queries, split, num_splits, 128 // G)
-    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, 128 // G, WARPS)
+    n_items = _num_items(req_base, req_end, split, num_splits, (128 + G - 1) // G)
+    total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, (128 + G - 1) // G, WARPS)
     if CTX_MODE == 2:  # timing only: no own keys (the result is incomplete)
         total = 0
     return n_items, total, gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
@@ -104,7 +106,7 @@ def _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_split
 
 @gluon.jit
 def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
-                  req_base, h, split, num_splits, n_queries, qk_scale,
+                  req_base, h, split, num_splits, req_end, qk_scale,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr,
                   CTX_MODE: gl.constexpr):
@@ -113,7 +115,7 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
     st_layout: gl.constexpr = _acc_layout(QN, 4)  # [C, 8] and [D, 8] accumulators, one warpgroup
     col_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
-    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, n_queries, G, C, 4, CTX_MODE)
+    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 4, CTX_MODE)
     it_k = n_items * 0
     it_c = n_items * 0
     m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
@@ -158,13 +160,13 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
 
 @gluon.jit
 def _ctx_producer(kc_desc, vc_desc, q_desc, kc_smem, vc_smem, qc_smem, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
-                  req_base, h, split, num_splits, n_queries,
+                  req_base, h, split, num_splits, req_end,
                   HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr,
                   CTX_MODE: gl.constexpr):
     """The own-key TMA warp: chunk c's K and V block and Q rows as soon as its slot is free.
     The next chunk's cache block is read one chunk ahead, so no load latency sits in front
     of a TMA."""
-    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, n_queries, G, C, 1, CTX_MODE)
+    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 1, CTX_MODE)
     it_k = n_items * 0
     it_c = n_items * 0
     blk = gl.load(bt_ptr + (req_base + split) * stride_bt, mask=n_items > 0, other=0)
@@ -209,6 +211,10 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
     row0 = pid_m * 128
     col = h * D
+    # the requests whose first query row is among the program's 128 (any G: at G = 3 a
+    # request's rows may straddle two programs, and the first one takes its own keys)
+    req_lo = (row0 + G - 1) // G
+    req_hi = gl.minimum((row0 + 128 + G - 1) // G, n_queries)
     gl.warp_specialize([
         (_ws_consumer, (q_ptr, q_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
@@ -219,12 +225,12 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                         G, D, BLOCK_N, STAGES, False)),
         (_ctx_consumer, (kc, vc, qc, pc, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
-                         row0 // G, h, split, num_splits, n_queries, qk_scale,
+                         req_lo, h, split, num_splits, req_hi, qk_scale,
                          stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, C, CTX_STAGES, CTX_MODE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                         STAGES, BLOCK_N)),
         (_ctx_producer, (kc_desc, vc_desc, q_desc, kc, vc, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
-                         row0 // G, h, split, num_splits, n_queries, HQ, G, D, C, CTX_STAGES, CTX_MODE)),
+                         req_lo, h, split, num_splits, req_hi, HQ, G, D, C, CTX_STAGES, CTX_MODE)),
     ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])  # 24: WS_PRODUCER_REGS, the TMA warps'
 
 
@@ -248,9 +254,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     g = hq // hkv
     assert q.is_contiguous() and k_sys.is_contiguous() and v_sys.is_contiguous(), "contiguous q and system KV"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    # a program's own keys are those of its 128 / G requests: G must divide the 128 rows, or
-    # requests that straddle two programs' rows would get no own partial
-    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and g in (1, 2, 4, 8)
+    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and 1 <= g <= QN.value
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
     assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * launch_regs, \

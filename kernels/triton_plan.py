@@ -181,8 +181,8 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     inside the warp-specialised system program) for num_seqs rows, all behind one prefix of
     prefix_tokens, with num_context_tokens own keys in all and none longer than
     max_context_len (a decode graph's context bucket); None where that kernel cannot run
-    (not sm_90, cache blocks other than 64 keys, not 16-bit, head_dim not 64 or 128, query
-    heads a KV head other than 1, 2, 4 or 8, no prefix) or does not pay.
+    (not sm_90, cache blocks other than 64 keys, not 16-bit, head_dim not 64 or 128, more
+    than 8 query heads a KV head, no prefix) or does not pay.
 
     A program's own-key warpgroup attends its requests' own keys one 64-key chunk after
     another while its prefix consumers take their share of the prefix, 64 keys a tile. It
@@ -210,10 +210,10 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     """
     group = num_heads // num_kv_heads
     if not (is_sm90(device) and block_size == 64 and elem == 2 and head_dim in (64, 128)
-            and group in (1, 2, 4, 8) and prefix_tokens > 0 and num_seqs > 0 and max_context_len <= FUSED_MAX_OWN):
+            and 1 <= group <= 8 and prefix_tokens > 0 and num_seqs > 0 and max_context_len <= FUSED_MAX_OWN):
         return None
-    rows_per_tile = 128 // group
-    row_tiles = -(-num_seqs // rows_per_tile)
+    rows_per_tile = -(-128 // group)  # requests a program takes at most
+    row_tiles = -(-num_seqs * group // 128)
     programs, splits = row_tiles * num_kv_heads, 1
     while programs * splits * 2 <= num_sms(device) and prefix_tokens >= 2 * splits * 256:
         splits *= 2

@@ -184,7 +184,7 @@ def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     # shapes the kernel does not take
     assert plan(256, 8192, 128, block=16) is None and plan(256, 8192, 128, elem=4) is None
     assert plan(256, 8192, 128, heads=(32, 2, 128)) is None and plan(256, 8192, 128, heads=(32, 8, 96)) is None
-    assert plan(256, 8192, 128, heads=(9, 3, 64)) is None  # G = 3 does not divide a program's 128 rows
+    assert plan(256, 8192, 128, heads=(9, 3, 64)) == 4 and plan(256, 8192, 128, heads=(28, 4, 128)) == 2
     assert plan(256, 0, 128) is None
     # at least 256 prefix keys a split: a short prefix is not split into empty ranges
     assert plan(1, 512, 8) == 2 and plan(1, 300, 8) == 1

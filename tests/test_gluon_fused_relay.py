@@ -48,7 +48,7 @@ def _check(q, kc, vc, pre, meta, splits, spill_free=True, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 32, 128), (16, 2, 64)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 32, 128), (16, 2, 64), (9, 3, 64), (28, 4, 128)])
 def test_fused_relay_ragged_batches(dtype, heads):
     # own lengths at and around a block's edge, batches that end inside a program's 128 rows,
     # a prefix that ends inside a tile, and more splits than a program has requests
@@ -76,10 +76,10 @@ def test_fused_relay_refuses_what_it_cannot_read():
     small = kc.view(-1, 16, *kc.shape[2:])  # 16-key blocks: one TMA a chunk needs 64
     with pytest.raises(AssertionError):
         fused_relay_decode(q, k_sys, v_sys, small, small, meta.block_tables, meta.context_lens, 1.0, 1)
-    q3 = torch.randn(2, 9, 128, device="cuda", dtype=torch.bfloat16)  # G = 3 does not divide 128 rows
+    q9 = torch.randn(2, 18, 128, device="cuda", dtype=torch.bfloat16)  # 9 query heads a KV head: more than 8
     with pytest.raises(AssertionError):
-        fused_relay_decode(q3, k_sys[:, :3].contiguous(), v_sys[:, :3].contiguous(), kc[:, :, :3].contiguous(),
-                           vc[:, :, :3].contiguous(), meta.block_tables, meta.context_lens, 1.0, 1)
+        fused_relay_decode(q9, k_sys[:, :2].contiguous(), v_sys[:, :2].contiguous(), kc[:, :, :2].contiguous(),
+                           vc[:, :, :2].contiguous(), meta.block_tables, meta.context_lens, 1.0, 1)
     with pytest.raises(AssertionError, match="registers"):
         fused_relay_decode(q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, 1.0, 1, sys_regs=200)
 
@@ -88,7 +88,7 @@ def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
     # relay's Triton step captured in a CUDA graph takes the fused kernel where the plan says
     # it pays (a graph's padding rows have no own keys: context_lens 0), and the same step
     # run eagerly, or with fused=False, takes the older paths: all equal to the reference
-    # (G = 4, 2 and 1; G = 3, SmolLM2's, keeps the older paths: see test_fused_relay_refuses...)
+    # (G = 4, 2, 1 and 3, SmolLM2's: its requests' rows straddle two programs' 128)
     import kernels.gluon_fused_relay as gfr
     from kernels import triton_ops
     launches = []
@@ -99,7 +99,7 @@ def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
     monkeypatch.setattr(gfr, "fused_relay_decode", counted)
     rng = random.Random()
     for (hq, hkv, d), batch, prefix, longest in (((32, 8, 128), 256, 8192, 200), ((32, 16, 64), 160, 8192, 100),
-                                                 ((32, 32, 128), 64, 8192, 100)):
+                                                 ((32, 32, 128), 64, 8192, 100), ((9, 3, 64), 200, 8192, 100)):
         lens = [rng.randint(1, longest) for _ in range(batch)]
         q, kc, vc, pre, meta = _step(hq, hkv, d, lens, prefix, torch.bfloat16)
         # shapes the plan gives the fused kernel (priced as a graph without a total: rows x longest)
