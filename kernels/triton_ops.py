@@ -86,8 +86,9 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
     knobs = (sys_splits, ctx_splits, sys_config, ctx_config, overlap, system_side, resident, grid_config)
+    assert fused in (None, False), "fused: None (where the plan says) or False (never)"
     if fused is None and not (one_grid or pdl or any(k is not None for k in knobs)):
-        splits = fused_step_splits(q, k_cache, meta, groups)
+        splits = fused_step_splits(q, k_cache, v_cache, meta, groups)
         if splits is not None:
             from kernels.gluon_fused_relay import fused_relay_decode  # Gluon: sm_90 only
             (_, k_sys, v_sys), = groups
@@ -152,19 +153,25 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
 
-def fused_step_splits(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, groups: list) -> int | None:
+def fused_step_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      groups: list) -> int | None:
     """The fused decode step's system splits for this step, or None where it takes another
     path: it needs a decode step under CUDA-graph capture (TMA descriptors are built on the
     host once, at capture), one prefix group that holds every row (groups list their rows
     in order, so it reads row n's own keys for query n), contiguous system KV and cache,
-    block tables with unit column stride, and fused_decode_plan's shapes."""
+    block tables with unit column stride, and fused_decode_plan's shapes. A graph key's plan
+    (graphed_decode_plan) prices the same sizes, so a key says "fused" exactly where its
+    captured step takes this path, as long as these layout checks hold (they do for the
+    engine's caches and decode graphs; where one fails, the step takes an older path, the
+    same function)."""
     if not (q.is_cuda and meta.is_decode and meta.max_seqlen_q == 1 and len(groups) == 1
             and torch.cuda.is_current_stream_capturing()):
         return None
     (g, k_sys, v_sys), = groups
     n, hq, d = q.shape
     if not (g.query_indices.shape[0] == n and k_sys.is_contiguous() and v_sys.is_contiguous()
-            and k_cache.is_contiguous() and meta.block_tables.stride(1) == 1 and q.dtype == k_sys.dtype):
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and meta.block_tables.stride(1) == 1
+            and q.dtype == k_sys.dtype):
         return None
     return fused_decode_plan(n, hq, k_cache.shape[2], d, q.element_size(), k_cache.shape[1], q.device,
                              k_sys.shape[0], context_tokens(meta), meta.max_context_len)

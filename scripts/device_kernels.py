@@ -37,7 +37,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels.triton_context_attention import paged_attention  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
-from kernels.triton_plan import default_block_size, split_plan, system_config  # noqa: E402
+from kernels.triton_plan import split_plan, system_config  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
@@ -112,7 +112,7 @@ def build(hq, hkv, d, batch, prefix, own, dev, page=None, dtype=torch.bfloat16):
     page: keys a cache block (None: the engine's, triton_plan.default_block_size)."""
     gen = torch.Generator(device=dev)
     gen.seed()
-    return build_step(hq, hkv, d, batch, prefix, own, dev, dtype, gen, page or default_block_size(dev))
+    return build_step(hq, hkv, d, batch, prefix, own, dev, dtype, gen, page)
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

@@ -176,6 +176,8 @@ def test_relay_attention(dtype, decode, mode):
         got = relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=False, resident=False)
     else:
         got = relay_attention(q, kc, vc, meta, prefixes, scale)
+        with pytest.raises(AssertionError, match="fused"):  # only None (the plan's) or False (never)
+            relay_attention_with(q, kc, vc, meta, prefixes, scale, fused=True)
     assert got.shape == q.shape and got.dtype == dtype
     assert rel_err(got, ref.relay_attention(*upcast(q, kc, vc, prefixes)[:3], meta,
                                             upcast(q, kc, vc, prefixes)[3], scale)) < TOL[dtype]

@@ -124,7 +124,8 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     exact = len(results) == len(shapes) and all(
         r.finish_reason == "length" and r.completion_tokens == shapes[r.row_index].output_len for r in results)
     out = {"requests": len(results), "seconds": elapsed, "warmup_s": warmup_s,
-           "kv_cache_blocks": engine.runner.num_blocks, "generated_tokens": st.completion_tokens,
+           "kv_cache_blocks": engine.runner.num_blocks, "kv_cache_block_size": engine.runner.block_size,
+           "generated_tokens": st.completion_tokens,
            "exact_lengths": exact, "errors": st.errors, "preemptions": st.preemptions,
            "prefill_s": st.prefill_seconds, "decode_steps": st.decode_steps,
            "decode_step_s": st.decode_seconds / st.decode_steps if st.decode_steps else None,

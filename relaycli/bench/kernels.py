@@ -63,12 +63,14 @@ class KernelOptions:
 
 
 def build_step(hq: int, hkv: int, d: int, batch: int, system: int, own: int, dev, dtype, gen: torch.Generator,
-               page: int = 16, lens: list[int] | None = None, max_context_len: int | None = None):
+               page: int | None = None, lens: list[int] | None = None, max_context_len: int | None = None):
     """q [B, Hq, D], paged own KV with a shuffled block table, one shared prefix (or none).
 
+    page: keys a cache block (None: the engine's on this device, triton_plan.default_block_size);
     lens: each row's own keys (default: own for every row; own then sizes the table);
     max_context_len: what the metadata reports as the longest, as a graph bucket does
     (default: the longest row)."""
+    page = page or default_block_size(torch.device(dev))
     lens = [own] * batch if lens is None else list(lens)
     assert len(lens) == batch and min(lens) >= 1, "lens needs one positive length a row"
     per_seq = math.ceil(max(lens) / page)
@@ -157,8 +159,7 @@ def run_kernels(opts: KernelOptions, progress: Callable[[str], None] | None = No
     elem = torch.empty((), dtype=dtype).element_size()
     for s in opts.system_tokens:
         for b in opts.batch:
-            q, kc, vc, pre, meta = build_step(hq, hkv, d, b, s, opts.own_tokens, dev, dtype, gen,
-                                              default_block_size(dev))
+            q, kc, vc, pre, meta = build_step(hq, hkv, d, b, s, opts.own_tokens, dev, dtype, gen)
             floor = attention_floor(hq, hkv, d, b, s, opts.own_tokens, elem, ceil)
             fns = {"relay": lambda: ops.relay_attention(q, kc, vc, meta, pre, scale),
                    "no-relay": lambda: ops.prefix_paged_attention(q, kc, vc, meta, pre, scale)}
