@@ -169,11 +169,6 @@ def default_block_size(device: torch.device) -> int:
     return CUDA_BLOCK_SIZE if device.type == "cuda" else CPU_BLOCK_SIZE
 
 
-# The longest own context a fused decode step takes: its own keys are dealt to programs a
-# request at a time, so one long row sets the step's time (see fused_decode_plan).
-FUSED_MAX_OWN = 256
-
-
 def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, elem: int, block_size: int,
                       device: torch.device, prefix_tokens: int, num_context_tokens: int,
                       max_context_len: int) -> int | None:
@@ -186,8 +181,10 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
 
     A program's own-key warpgroup attends its requests' own keys one 64-key chunk after
     another while its prefix consumers take their share of the prefix, 64 keys a tile. It
-    pays where no own context is longer than FUSED_MAX_OWN and a program's own chunks (at
-    the mean length) are at most twice its prefix tiles. H200, llama3-8b heads, graphed, L2
+    pays where a program's own chunks are at most twice its prefix tiles, both at the mean
+    length (the engine deals a fused step's rows so that its programs' loads are even:
+    relaycli.engine.cuda_graph.DecodeGraphs.deal) and for the longest row allowed
+    (max_context_len), which one program must take whole. H200, llama3-8b heads, graphed, L2
     flushed, every row the same length (docs/kernels.md, twenty-second session), old plan ->
     fused (own chunks : prefix tiles a program): batch 256, 8,192 + 128 own keys 110.1 -> 77.3
     us (32 : 64), 2,048 + 128 64.8 -> 59.3 (32 : 16), 4,096 + 32 62.0 -> 46.1 (16 : 32), 4,096 +
@@ -197,20 +194,19 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     context kernel then runs beside a resident system kernel and reads the own keys faster
     than one own-key warpgroup an SM); batch 256 with a short prefix, where the old plan is
     the context kernel alone, would be far past the ratio. llama2-7b heads, 8,192 + 128:
-    batch 256 194.8 -> 177.5 (128 : 64), batch 64 87.8 -> 78.9 (32 : 32). The length cap:
-    a program takes its requests whole, 8-16 of them at batch 256, so under ragged lengths
-    the program with the longest rows sets the time. Whole llama3 jobs of ShareGPT-like
-    lengths (about 400 own keys a row on average, a long tail) with the fused step wherever
-    the mean was at most 1,024 at batch 97 and more were 5-6% slower than without it (34.8
-    against 36.6 requests/s at 8,192 prefix tokens, 38.7 against 41.2 at 2,048;
-    twenty-third session).
+    batch 256 194.8 -> 177.5 (128 : 64), batch 64 87.8 -> 78.9 (32 : 32). Dealt in the
+    order the scheduler gives, whole llama3 jobs of ShareGPT-like lengths (about 400 own keys
+    a row on average, a long tail) were 5-6% slower with the fused step (at batch 97 and
+    more wherever the mean was at most 1,024: 34.8 against 36.6 requests/s at 8,192 prefix
+    tokens, 38.7 against 41.2 at 2,048; twenty-third session): the program with the
+    longest rows set each step's time.
 
     Splits: the most (a power of two) that keep the grid within one program an SM (the
     program holds an SM's registers), and at least 256 prefix keys a split.
     """
     group = num_heads // num_kv_heads
     if not (is_sm90(device) and block_size == 64 and elem == 2 and head_dim in (64, 128)
-            and 1 <= group <= 8 and prefix_tokens > 0 and num_seqs > 0 and max_context_len <= FUSED_MAX_OWN):
+            and 1 <= group <= 8 and prefix_tokens > 0 and num_seqs > 0):
         return None
     rows_per_tile = -(-128 // group)  # requests a program takes at most
     row_tiles = -(-num_seqs * group // 128)
@@ -220,7 +216,8 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     requests = -(-min(num_seqs, rows_per_tile) // splits)
     own_chunks = requests * max(1, -(-num_context_tokens // (num_seqs * 64)))
     prefix_tiles = -(-prefix_tokens // (splits * 64))
-    return splits if own_chunks <= 2 * prefix_tiles else None
+    longest_chunks = -(-max_context_len // 64)
+    return splits if max(own_chunks, longest_chunks) <= 2 * prefix_tiles else None
 
 
 def smem_per_block(device: torch.device) -> int:

@@ -22,7 +22,8 @@ gives it, at its own split plan, instead of giving way to the 64-row tile where 
 beside the context; `bucket-priced` plans the system step of a decode graph for its
 context bucket's bound, one graph a bucket, as before the seventeenth session (the default
 prices the step's real own keys, a graph for each plan); `no-fused` never runs the fused
-own-key kernel (kernels/gluon_fused_relay.py), as before the twenty-third session; `prefill-serial` reads a prefill
+own-key kernel (kernels/gluon_fused_relay.py), as before the twenty-third session; `no-deal`
+runs a fused step's rows in the scheduler's order (the same ids as the default); `prefill-serial` reads a prefill
 back before the next step launches, as the engine did before the eleventh session
 (--no-relay times the baseline).
 Each run is a fresh engine (its warm-up captures its own CUDA graphs), and every run
@@ -106,7 +107,10 @@ VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict
             "bucket-priced": dict(bucket_priced=True),
             # the plans before the twenty-third session: no graphed step runs the fused own-key
             # kernel (kernels/gluon_fused_relay.py)
-            "no-fused": dict(no_fused=True)}
+            "no-fused": dict(no_fused=True),
+            # the fused step's rows in the scheduler's order, not dealt evenly over its programs
+            # (cuda_graph.DecodeGraphs.deal): the same ids, since each row's arithmetic is its own
+            "no-deal": dict(no_deal=True)}
 
 
 def resolve(name: str) -> dict:
@@ -138,6 +142,8 @@ def variant(change: dict):
     ws_always = change.pop("ws_always", False)
     bucket_priced = change.pop("bucket_priced", False)
     no_fused = change.pop("no_fused", False)
+    no_deal = change.pop("no_deal", False)
+    deal = cuda_graph.DecodeGraphs.deal
     fused_plan = triton_ops.fused_decode_plan
     graph_plan = cuda_graph.DecodeGraphs._plan
     plan = triton_ops.plan_system
@@ -172,6 +178,8 @@ def variant(change: dict):
                 config, resident = tile, False
             return plan(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits, resident, work)
         triton_ops.plan_system = plan_ws
+    if no_deal:
+        cuda_graph.DecodeGraphs.deal = lambda graphs, seqs, key: seqs
     if no_fused:  # both of triton_ops' callers (the graph key's plan, the step) look it up there
         triton_ops.fused_decode_plan = lambda *args: None
     if unroll is not None:
@@ -200,6 +208,7 @@ def variant(change: dict):
         cuda_graph.MIN_CONTEXT_BUCKET, triton_ops.plan_system = min_bucket_was, plan
         cuda_graph.DecodeGraphs._plan = graph_plan
         triton_ops.fused_decode_plan = fused_plan
+        cuda_graph.DecodeGraphs.deal = deal
 
 
 def percent(fraction: float | None) -> str:

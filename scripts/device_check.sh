@@ -62,9 +62,12 @@
 # triton_plan.fused_decode_plan says it pays. fused-jobs (at most 9 minutes): the wide and
 # bf16 greedy checks with and without it, and whole llama3 jobs against no-fused (ShareGPT-like:
 # with the fused step wherever the mean own context was at most 1,024, 5-6% slower, so the
-# plan caps the longest at 256). fused-short (at most 9.2 minutes): the fused tests, then
-# whole jobs of short requests and of ShareGPT-like ones against no-fused under that cap.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|fused-engine|fused-jobs|fused-short|l2|bench-kernels|tests-kernels|tests-ops ...]
+# plan then capped the longest at 256). fused-short (at most 9.2 minutes): the fused tests,
+# then whole jobs of short requests and of ShareGPT-like ones against no-fused (run under
+# that cap, since replaced by dealing the rows and the ratio: fused-deal).
+# fused-deal (at most 4.2 minutes): ShareGPT-like jobs with the fused step's rows dealt evenly
+# over its programs and the cap replaced by the plan's ratio, against no-deal and no-fused.
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|fused-engine|fused-jobs|fused-short|fused-deal|l2|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -205,7 +208,7 @@ for part in "${parts[@]}"; do
           --variants default,no-fused 2>&1 | grep -E "^(run|median)"
       done | tee "$OUT/fused_ab.log" ;;
     fused-short)  # the fused step's GPU tests, then whole llama3 jobs at S = 8,192 of short
-      # requests (the fused step's case: no own context past FUSED_MAX_OWN) and of ShareGPT-like ones
+      # requests (own contexts of at most 48 and 192 keys) and of ShareGPT-like ones
       timeout 120 python3 -m pytest -q tests/test_gluon_fused_relay.py 2>&1 | tee "$OUT/fused_tests.log" | tail -2
       for workload in fixed-32-16 fixed-128-64; do
         OUT="$OUT/fused_ab_$workload" timeout 150 python3 scripts/device_ab_context.py --workload $workload \
@@ -213,6 +216,11 @@ for part in "${parts[@]}"; do
       done | tee "$OUT/fused_short_ab.log"
       OUT="$OUT/fused_ab_sharegpt" timeout 130 python3 scripts/device_ab_context.py --system 8192 --repeats 1 \
         --variants default,no-fused 2>&1 | tee -a "$OUT/fused_short_ab.log" | grep -E "^(run|median)" ;;
+    fused-deal)  # whole llama3 ShareGPT-like jobs at S = 8,192 with the fused step's rows dealt
+      # evenly over its programs (default), in the scheduler's order (no-deal: the same ids), and
+      # without the fused step (no-fused)
+      OUT="$OUT/fused_deal_sharegpt" timeout 250 python3 scripts/device_ab_context.py --system 8192 --repeats 1 \
+        --variants default,no-deal,no-fused 2>&1 | tee "$OUT/fused_deal.log" | grep -E "^(run|median)" ;;
     l2)  # the L2's read bandwidth, and what a llama3 step's kernels ask of it (twenty-first session)
       timeout 200 python3 scripts/device_l2_probe.py 2>&1 | tee "$OUT/l2_probe.log" | tail -14
       timeout 380 bash scripts/device_ncu.sh l2 2>&1 | tail -60 ;;

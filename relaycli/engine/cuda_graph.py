@@ -22,6 +22,7 @@ lazily per (batch bucket, context bucket, prefix slot, system plan) on static in
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 
@@ -74,6 +75,7 @@ class DecodeGraphs:
         self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # each writes self.logits
         self.num_heads = runner.mc.num_attention_heads
+        self.group = runner.mc.num_attention_heads // runner.mc.num_key_value_heads
         # own keys in all that a key's graph is captured with (the first step that met it,
         # or capture_all's sample); any total of the key plans the same
         self.key_tokens: dict[tuple, int] = {}
@@ -95,6 +97,37 @@ class DecodeGraphs:
             return None
         self.key_tokens.setdefault(key, tokens)
         return key
+
+    def deal(self, seqs: list[Sequence], key: tuple) -> list[Sequence]:
+        """The step's sequences in the row order its graph should run them: as given, except
+        where the key's plan is the fused own-key kernel (kernels/gluon_fused_relay.py).
+        There program (m, h, split) attends, one 64-key chunk after another, the own keys of
+        the rows whose first query row is among its 128 and whose index within them is
+        split modulo the split count, so the step lasts as long as its most loaded program.
+        Rows are dealt longest first, each to the least loaded such bin with a free row (LPT),
+        which leaves the most loaded bin at most one row's chunks above the mean. Any order
+        computes the same outputs (each row is its own sequence's); ties keep the given order,
+        so a batch whose lengths cross no chunk boundary keeps its rows from step to step."""
+        plan = key[3]
+        if plan is None or plan[1] != "fused":
+            return seqs
+        splits, g, c = plan[0], self.group, self.block_size
+        bins: dict[tuple[int, int], list[int]] = {}
+        for r in range(len(seqs)):
+            m = r * g // 128
+            bins.setdefault((m, (r - -(-128 * m // g)) % splits), []).append(r)
+        rows = list(bins.values())
+        heap = [(0, i) for i in range(len(rows))]
+        taken = [0] * len(rows)
+        out: list[Sequence | None] = [None] * len(seqs)
+        cost = [max(1, -(-s.num_own_tokens // c)) for s in seqs]
+        for j in sorted(range(len(seqs)), key=lambda j: -cost[j]):
+            load, i = heapq.heappop(heap)
+            out[rows[i][taken[i]]] = seqs[j]
+            taken[i] += 1
+            if taken[i] < len(rows[i]):
+                heapq.heappush(heap, (load + cost[j], i))
+        return out
 
     def _bucket(self, num_seqs: int, longest: int, slot: int | None, tokens: int) -> tuple:
         bs = next(b for b in BATCH_BUCKETS if b >= num_seqs)

@@ -185,6 +185,9 @@ class ModelRunner:
         not yet read back, whose tokens this step's decode inputs may be.
         """
         decode_ids = None
+        key = None if is_prefill or self.graphs is None else self.graphs.key(seqs)
+        if key is not None:  # the rows in the order the graph's plan runs them evenly
+            seqs = self.graphs.deal(seqs, key)
         num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else len(seqs)
         num_context = sum(s.num_own_tokens for s in seqs)  # decode: the own keys its queries attend to
         if is_prefill:
@@ -192,7 +195,6 @@ class ModelRunner:
                 "a prefill must not start from a token that is still being computed"
         else:
             decode_ids = self.decode_input_ids(seqs, prev)
-        key = None if is_prefill or self.graphs is None else self.graphs.key(seqs)
         if key is not None:
             logits = self.graphs.run(seqs, key, decode_ids)
         else:
