@@ -194,7 +194,8 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     context kernel then runs beside a resident system kernel and reads the own keys faster
     than one own-key warpgroup an SM); batch 256 with a short prefix, where the old plan is
     the context kernel alone, would be far past the ratio. llama2-7b heads, 8,192 + 128:
-    batch 256 194.8 -> 177.5 (128 : 64), batch 64 87.8 -> 78.9 (32 : 32). Dealt in the
+    batch 256 194.8 -> 177.5 (128 : 64), batch 64 87.8 -> 78.9 (32 : 32). The ratio gives up
+    the two small wins past it (80 : 32 and 128 : 32) to keep out the loss. Dealt in the
     order the scheduler gives, whole llama3 jobs of ShareGPT-like lengths (about 400 own keys
     a row on average, a long tail) were 5-6% slower with the fused step (at batch 97 and
     more wherever the mean was at most 1,024: 34.8 against 36.6 requests/s at 8,192 prefix
