@@ -33,6 +33,23 @@ def _version(value: bool) -> None:
 def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
     """relay: compile a system prompt once, then stream request files through it."""
+    refuse_kernels_clash()
+
+
+def refuse_kernels_clash() -> None:
+    """One line and exit 2 where Hugging Face's `kernels` distribution is installed: its
+    import name is that of relay's own kernels/ package, and transformers imports it
+    whenever it is installed (transformers 5.25 and later require it), finding relay's
+    instead, so every model load would fail inside transformers."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = version("kernels")
+    except PackageNotFoundError:
+        return
+    err_console.print(f"[red]error:[/red] the installed package 'kernels' ({escape(found)}, Hugging Face's) has the "
+                      "import name of relay's own kernels package, so transformers would load relay's; remove it "
+                      "with `pip uninstall kernels` (relay needs transformers < 5.25, which does not require it)")
+    raise typer.Exit(2)
 
 
 @contextmanager

@@ -269,3 +269,16 @@ def test_sigterm_and_ctrl_c_save_every_finished_answer(job, tmp_path, signame):
     assert saved == ["s0", "s1", "s2"]
     relay(*args, "--resume")
     assert [r["id"] for r in _jsonl(out)] == [f"s{i}" for i in range(len(QUESTIONS))]
+
+
+def test_hugging_face_kernels_beside_relay_is_refused_in_one_line(monkeypatch):
+    # its import name is relay's kernels package: transformers would import relay's and fail
+    import importlib.metadata as md
+
+    from typer.testing import CliRunner
+
+    from relaycli.cli import app
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: "0.19.1" if name == "kernels" else real(name))
+    result = CliRunner().invoke(app, ["inspect", "missing.relaykv"])
+    assert result.exit_code == 2 and "pip uninstall kernels" in result.output
