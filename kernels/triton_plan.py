@@ -6,6 +6,7 @@ system, context and baseline launchers and by the scripts that sweep them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -219,6 +220,20 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     prefix_tiles = -(-prefix_tokens // (splits * 64))
     longest_chunks = -(-max_context_len // 64)
     return splits if max(own_chunks, longest_chunks) <= 2 * prefix_tiles else None
+
+
+@functools.lru_cache(maxsize=64)
+def fused_program_rows(num_rows: int, group: int, num_splits: int) -> tuple[tuple[int, ...], ...]:
+    """The rows whose own keys each program (m, split) of the fused decode kernel attends,
+    for every KV head alike: kernels/gluon_fused_relay.py's mapping (the rows whose first
+    query row r * group is among program m's 128, those at index split modulo num_splits
+    within them), one tuple of rows a program that has any, in (m, split) order. A pure
+    function of its arguments, cached: a decode graph deals its rows by it every step."""
+    bins: dict[tuple[int, int], list[int]] = {}
+    for r in range(num_rows):
+        m = r * group // 128
+        bins.setdefault((m, (r - -(-128 * m // group)) % num_splits), []).append(r)
+    return tuple(tuple(rows) for rows in bins.values())
 
 
 def smem_per_block(device: torch.device) -> int:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kernels.metadata import AttentionMetadata, PrefixGroup
+from kernels.triton_plan import fused_program_rows
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import stage
 
@@ -111,12 +112,8 @@ class DecodeGraphs:
         plan = key[3]
         if plan is None or plan[1] != "fused":
             return seqs
-        splits, g, c = plan[0], self.group, self.block_size
-        bins: dict[tuple[int, int], list[int]] = {}
-        for r in range(len(seqs)):
-            m = r * g // 128
-            bins.setdefault((m, (r - -(-128 * m // g)) % splits), []).append(r)
-        rows = list(bins.values())
+        rows = fused_program_rows(len(seqs), self.group, plan[0])
+        c = self.block_size
         heap = [(0, i) for i in range(len(rows))]
         taken = [0] * len(rows)
         out: list[Sequence | None] = [None] * len(seqs)
