@@ -19,7 +19,7 @@ computed transposed instead ("swap AB"), the keys as M and the request's query r
 so an own chunk costs two small wgmma chains and 4 + 8 accumulator registers a thread. The
 8 query rows are the TMA box of Q's rows n*Hq + h*G .. +8: the first G are the request's,
 the rest other heads' (finite, ignored). Own keys are paged; a chunk is one cache block
-(block_size == C), one TMA for its K and one for its V, in a ring of CTX_STAGES slots.
+(block_size == C), one TMA for its K and one for its V, into a ring of CTX_TILES [C, D] slots.
 
 Result: the system partials at splits 0..num_splits-1 as the system kernel writes them, the
 own-key partial of every (request, head) at split num_splits, then merge_partials. Work:
@@ -44,13 +44,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.gluon_system_attention import (LOG2E, WS_PRODUCER_REGS, _acc_layout, _ws_consumer, _ws_producer,
-                                            _ws_ring)
+from kernels.gluon_system_attention import (LOG2E, WS_PRODUCER_REGS, _acc_layout, _cta_barrier, _ws_consumer,
+                                            _ws_producer, _ws_ring)
 from kernels.triton_system_attention import merge_partials
-
-# Triton 3.6 (the H200's) names the CTA barrier thread_barrier, later releases barrier
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 QN = gl.constexpr(8)  # query rows of an own chunk's wgmma (its N): a request's G rows, padded
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
 # launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get SYS_REGS (the
@@ -104,14 +102,25 @@ def _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_split
     return it_k, it_c, it_len
 
 
+@gluon.constexpr_function
+def _q_slots(ctx_tiles):
+    """Q slots of the own-key ring: chunk c's Q comes with its K (tile 2c), which waits for tile
+    2c - ctx_tiles to be done; the Q slot it takes was chunk (c - slots)'s, whose scores (tile
+    2(c - slots)) must be done by then, so slots >= ctx_tiles / 2."""
+    return (ctx_tiles + 1) // 2
+
+
 @gluon.jit
-def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
+def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
                   req_base, h, split, num_splits, req_end, qk_scale,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                  G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr,
+                  G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
                   CTX_MODE: gl.constexpr):
-    """The own-key warpgroup: every chunk of the program's items, in order."""
-    dtype: gl.constexpr = kc_smem.dtype
+    """The own-key warpgroup: every chunk of the program's items, in order. The ring holds
+    [C, D] tiles in the order they are used, K_0, V_0, K_1, V_1, ...: tile t in slot
+    t % CTX_TILES, free again once the wgmma that reads it is done, so a chunk's K slot takes
+    the next tile while the chunk's P V still runs (chunk c's Q rows: slot c % _q_slots)."""
+    dtype: gl.constexpr = cr_smem.dtype
     st_layout: gl.constexpr = _acc_layout(QN, 4)  # [C, 8] and [D, 8] accumulators, one warpgroup
     col_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -124,11 +133,12 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
     cols = gl.arange(0, QN, layout=col_l)
     dims = gl.arange(0, D, layout=key_l)
     for c in range(total):
-        slot = c % CTX_STAGES
-        mbarrier.wait(c_ready.index(slot), (c // CTX_STAGES) & 1)
-        s_tok = warpgroup_mma(kc_smem.index(slot), qc_smem.index(slot).permute((1, 0)),
+        tk = 2 * c  # K's tile; V's is the next
+        mbarrier.wait(c_ready.index(tk % CTX_TILES), (tk // CTX_TILES) & 1)
+        s_tok = warpgroup_mma(cr_smem.index(tk % CTX_TILES), qc_smem.index(c % _q_slots(CTX_TILES)).permute((1, 0)),
                               gl.zeros([C, QN], gl.float32, layout=st_layout), use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(c_empty.index(tk % CTX_TILES), count=1)
         keys = it_c * C + gl.arange(0, C, layout=key_l)
         s = gl.where(gl.expand_dims(keys < it_len, 1), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_c, gl.max(s, 0))
@@ -139,10 +149,12 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
         pc_smem.store(gl.permute(p.to(dtype), [1, 0]))
         fence_async_shared()
         _cta_barrier()  # every thread's P rows are in shared memory before the wgmma reads them
-        o_tok = warpgroup_mma(vc_smem.index(slot).permute((1, 0)), pc_smem.permute((1, 0)),
+        tv = tk + 1
+        mbarrier.wait(c_ready.index(tv % CTX_TILES), (tv // CTX_TILES) & 1)
+        o_tok = warpgroup_mma(cr_smem.index(tv % CTX_TILES).permute((1, 0)), pc_smem.permute((1, 0)),
                               o_c * gl.expand_dims(alpha, 0), is_async=True)
         o_c = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(c_empty.index(slot), count=1)
+        mbarrier.arrive(c_empty.index(tv % CTX_TILES), count=1)
         if (it_c + 1) * C >= it_len:  # the item's last chunk: its partial out
             n = req_base + split + it_k * num_splits
             o = o_c / gl.expand_dims(gl.where(l_c == 0.0, 1.0, l_c), 0)
@@ -159,9 +171,9 @@ def _ctx_consumer(kc_smem, vc_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr,
 
 
 @gluon.jit
-def _ctx_producer(kc_desc, vc_desc, q_desc, kc_smem, vc_smem, qc_smem, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
+def _ctx_producer(kc_desc, vc_desc, q_desc, cr_smem, qc_smem, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
                   req_base, h, split, num_splits, req_end,
-                  HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr,
+                  HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
                   CTX_MODE: gl.constexpr):
     """The own-key TMA warp: chunk c's K and V block and Q rows as soon as its slot is free.
     The next chunk's cache block is read one chunk ahead, so no load latency sits in front
@@ -171,13 +183,18 @@ def _ctx_producer(kc_desc, vc_desc, q_desc, kc_smem, vc_smem, qc_smem, c_ready, 
     it_c = n_items * 0
     blk = gl.load(bt_ptr + (req_base + split) * stride_bt, mask=n_items > 0, other=0)
     for c in range(total):
-        slot = c % CTX_STAGES
-        mbarrier.wait(c_empty.index(slot), ((c // CTX_STAGES) & 1) ^ 1)
         n = req_base + split + it_k * num_splits
-        mbarrier.expect(c_ready.index(slot), 2 * kc_desc.block_type.nbytes + q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [blk * C, h * D], c_ready.index(slot), kc_smem.index(slot))
-        tma.async_copy_global_to_shared(vc_desc, [blk * C, h * D], c_ready.index(slot), vc_smem.index(slot))
-        tma.async_copy_global_to_shared(q_desc, [n * HQ + h * G, 0], c_ready.index(slot), qc_smem.index(slot))
+        tk = 2 * c
+        sk = tk % CTX_TILES
+        mbarrier.wait(c_empty.index(sk), ((tk // CTX_TILES) & 1) ^ 1)
+        mbarrier.expect(c_ready.index(sk), kc_desc.block_type.nbytes + q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kc_desc, [blk * C, h * D], c_ready.index(sk), cr_smem.index(sk))
+        tma.async_copy_global_to_shared(q_desc, [n * HQ + h * G, 0], c_ready.index(sk),
+                                        qc_smem.index(c % _q_slots(CTX_TILES)))
+        sv = (tk + 1) % CTX_TILES
+        mbarrier.wait(c_empty.index(sv), (((tk + 1) // CTX_TILES) & 1) ^ 1)
+        mbarrier.expect(c_ready.index(sv), vc_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vc_desc, [blk * C, h * D], c_ready.index(sv), cr_smem.index(sv))
         it_k, it_c, it_len = _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C)
         blk = gl.load(bt_ptr + (req_base + split + it_k * num_splits) * stride_bt + it_c, mask=it_k < n_items,
                       other=0)
@@ -188,24 +205,33 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
                   n_queries, seq_len, keys_per_split, num_splits, qk_scale, stride_bt,
                   stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, C: gl.constexpr, CTX_STAGES: gl.constexpr, SYS_REGS_: gl.constexpr,
-                  CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr):
+                  STAGES: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
+                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr,
+                  TRIGGER: gl.constexpr):
     """grid (cdiv(n*G, 128), Hkv, num_splits); 4 warps (the first prefix consumer) + a second
     prefix consumer, the own-key warpgroup and two TMA warps."""
+    if TRIGGER:  # the merge kernel, a programmatic dependent, may be placed now (it waits)
+        gdc_launch_dependents()
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
     dtype: gl.constexpr = k_desc.dtype
     k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _ws_ring(k_desc, v_desc, STAGES, BLOCK_N, D)
-    kc = gl.allocate_shared_memory(dtype, [CTX_STAGES, C, D], kc_desc.layout)
-    vc = gl.allocate_shared_memory(dtype, [CTX_STAGES, C, D], vc_desc.layout)
-    qc = gl.allocate_shared_memory(dtype, [CTX_STAGES, QN, D], q_desc.layout)
+    cr = gl.allocate_shared_memory(dtype, [CTX_TILES, C, D], kc_desc.layout)  # own K and V tiles (vc_desc's too)
+    qc = gl.allocate_shared_memory(dtype, [_q_slots(CTX_TILES), QN, D], q_desc.layout)
     pc = gl.allocate_shared_memory(dtype, [QN, C], gl.NVMMASharedLayout.get_default_for([QN, C], dtype))
-    c_ready = gl.allocate_shared_memory(gl.int64, [CTX_STAGES, 1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [CTX_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CTX_STAGES):
+    c_ready = gl.allocate_shared_memory(gl.int64, [CTX_TILES, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [CTX_TILES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CTX_TILES):
         mbarrier.init(c_ready.index(i), count=1)
         mbarrier.init(c_empty.index(i), count=1)
+    if Q_SMEM:  # Q of the two prefix consumers in shared memory: their registers go to 128-key tiles
+        qs = gl.allocate_shared_memory(dtype, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], dtype))
+        q0 = qs.index(0)
+        q1 = qs.index(1)
+    else:  # unused
+        q0 = k_smem
+        q1 = k_smem
     lo = split * keys_per_split
     hi = gl.minimum(lo + keys_per_split, seq_len)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
@@ -219,26 +245,27 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
         (_ws_consumer, (q_ptr, q_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                        G, D, BLOCK_N, STAGES, False)),
+                        G, D, BLOCK_N, STAGES, False, Q_SMEM, q0)),
         (_ws_consumer, (q_ptr, q_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, row0 + 64, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
                         stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                        G, D, BLOCK_N, STAGES, False)),
-        (_ctx_consumer, (kc, vc, qc, pc, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
+                        G, D, BLOCK_N, STAGES, False, Q_SMEM, q1)),
+        (_ctx_consumer, (cr, qc, pc, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
                          req_lo, h, split, num_splits, req_hi, qk_scale,
-                         stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, C, CTX_STAGES, CTX_MODE)),
+                         stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, C, CTX_TILES, CTX_MODE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                         STAGES, BLOCK_N)),
-        (_ctx_producer, (kc_desc, vc_desc, q_desc, kc, vc, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
-                         req_lo, h, split, num_splits, req_hi, HQ, G, D, C, CTX_STAGES, CTX_MODE)),
+        (_ctx_producer, (kc_desc, vc_desc, q_desc, cr, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
+                         req_lo, h, split, num_splits, req_hi, HQ, G, D, C, CTX_TILES, CTX_MODE)),
     ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])  # 24: WS_PRODUCER_REGS, the TMA warps'
 
 
 def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                       num_splits: int, block_n: int = 64, stages: int = 3, ctx_stages: int = 2,
+                       num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
                        launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
-                       ctx_mode: int = 0):
+                       ctx_mode: int = 0, q_smem: bool = False,
+                       pdl_merge: bool = False):
     """One decode step of relay attention, every request behind the one prefix.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
@@ -247,6 +274,10 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     partial is then empty and whose table's first block is still read). Returns o [N, Hq, D]
     in q's dtype, and the launched kernel.
     ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
+    ctx_tiles: slots of the own-key ring, a [64, D] K or V tile each (2 or more).
+    q_smem: the prefix consumers hold Q in shared memory, not registers (for block_n 128).
+    pdl_merge: the merge kernel is launched as a programmatic dependent (sm_90), so its
+    launch overlaps this kernel's tail; it waits for this kernel before reading.
     """
     n, hq, d = q.shape
     s_len, hkv, _ = k_sys.shape
@@ -256,6 +287,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and 1 <= g <= QN.value
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
+    assert block_n in (64, 128) and stages >= 1 and ctx_tiles >= 2, "tiles and ring depths"
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
     assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * launch_regs, \
         "the partitions' registers exceed the launch's"
@@ -278,6 +310,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
         n, s_len, per, num_splits, scale * LOG2E, block_tables.stride(0),
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_STAGES=ctx_stages, SYS_REGS_=sys_regs,
-        CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, num_warps=4, maxnreg=launch_regs)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0], kernel
+        HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_TILES=ctx_tiles,
+        Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, TRIGGER=pdl_merge, num_warps=4,
+        maxnreg=launch_regs)
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, pdl=pdl_merge)[0], kernel

@@ -26,12 +26,15 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.triton_plan import is_sm90
 
+# Triton 3.6 (the H200's) names the CTA barrier thread_barrier, later releases barrier
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 LOG2E = 1.4426950408889634
 WS_BLOCK_M = 128  # query rows of a warp-specialised program: two consumer warpgroups of 64
 WS_REGS = 168  # its launch's register cap: 12 warps x 168 x 32 threads fill an SM's 64K registers
@@ -79,14 +82,10 @@ def _acc_layout(cols, warps):
 
 
 @gluon.jit
-def _load_q(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G: gl.constexpr, D: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """Query rows row0.. of KV head h as the A operand of the S wgmma, [BLOCK_M, D]."""
-    s_layout: gl.constexpr = _acc_layout(BLOCK_N, WARPS)
+def _q_rows(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G: gl.constexpr, D: gl.constexpr,
+            BLOCK_M: gl.constexpr, HAS_ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """Query rows row0.. of KV head h, [BLOCK_M, D] in a blocked layout (rows past the batch 0)."""
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    # Q [BLOCK_M, D] stays in registers as the A operand of every S wgmma, so shared memory
-    # serves only K and V (on the H200 3-4% faster than Q from shared memory at batch 256 and
-    # 8,192 prefix tokens, under 1% at 2,048).
     r = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
     n = r // G
     rmask = n < n_queries
@@ -96,9 +95,19 @@ def _load_q(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G: gl.con
         row = n
     head = h * G + r % G
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(q_ptr + gl.expand_dims(row * stride_qn + head * stride_qh, 1) + gl.expand_dims(offs_d, 0),
-                mask=gl.expand_dims(rmask, 1), other=0.0)
-    return gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    return gl.load(q_ptr + gl.expand_dims(row * stride_qn + head * stride_qh, 1) + gl.expand_dims(offs_d, 0),
+                   mask=gl.expand_dims(rmask, 1), other=0.0)
+
+
+@gluon.jit
+def _load_q(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G: gl.constexpr, D: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """Query rows row0.. of KV head h as the A operand of the S wgmma, [BLOCK_M, D]."""
+    # Q [BLOCK_M, D] stays in registers as the A operand of every S wgmma, so shared memory
+    # serves only K and V (on the H200 3-4% faster than Q from shared memory at batch 256 and
+    # 8,192 prefix tokens, under 1% at 2,048).
+    q = _q_rows(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G, D, BLOCK_M, HAS_ROWS, WARPS)
+    return gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BLOCK_N, WARPS), k_width=2))
 
 
 @gluon.jit
@@ -238,9 +247,19 @@ def _ws_consumer(q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem
                  row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
                  stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                  G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 HAS_ROWS: gl.constexpr):
-    """One consumer warpgroup: 64 query rows from row0, fed by the producer."""
-    q_op = _load_q(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G, D, 64, BLOCK_N, HAS_ROWS, 4)
+                 HAS_ROWS: gl.constexpr, Q_SMEM: gl.constexpr, q_smem):
+    """One consumer warpgroup: 64 query rows from row0, fed by the producer.
+
+    Q_SMEM: q_smem, a [64, D] shared buffer of this warpgroup's own, holds Q as the S
+    wgmma's A operand instead of 32 registers a thread (what 128-key tiles need beside the
+    fused kernel's own-key warpgroup); else Q stays in registers and q_smem is unused."""
+    if not Q_SMEM:
+        q_op = _load_q(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G, D, 64, BLOCK_N, HAS_ROWS, 4)
+    else:
+        q_smem.store(_q_rows(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G, D, 64, HAS_ROWS, 4))
+        fence_async_shared()
+        _cta_barrier()  # the warpgroup's rows are all in shared memory before its first wgmma
+        q_op = q_smem
     _attend(q_op, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
             row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
             stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, 64, BLOCK_N, STAGES, HAS_ROWS, 4, False)
@@ -281,11 +300,11 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
             (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                             k_empty, v_empty, row0, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
                             stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                            G, D, BLOCK_N, STAGES, HAS_ROWS)),
+                            G, D, BLOCK_N, STAGES, HAS_ROWS, False, k_smem)),
             (_ws_consumer, (q_ptr, rows_ptr, o_ptr, lse_ptr, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                             k_empty, v_empty, row0 + 64, h, split, n_queries, lo, hi, num_tiles, col, qk_scale,
                             stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                            G, D, BLOCK_N, STAGES, HAS_ROWS)),
+                            G, D, BLOCK_N, STAGES, HAS_ROWS, False, k_smem)),
             (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                             STAGES, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, 24])  # 24: WS_PRODUCER_REGS, which ws_consumer_regs leaves it

@@ -14,7 +14,7 @@ batches. Times: median over CUDA-graph replays, the L2 emptied clean before each
 TAG.json to $OUT.
 
 Usage: python scripts/device_fused_relay.py [--shapes llama3-8b:256 llama3-8b:64] [--prefix N] [--own N]
-           [--variants BN:STAGES:CTX_STAGES:MODE:SYS_REGS:CTX_REGS ...] [--smoke] [--no-checks] [--tag T]
+           [--variants BN:STAGES:CTX_TILES:MODE:SYS_REGS:CTX_REGS[:Q_SMEM[:PDL]] ...] [--smoke] [--no-checks] [--tag T]
 """
 
 from __future__ import annotations
@@ -43,14 +43,18 @@ from kernels.triton_plan import WS_TILE  # noqa: E402
 from relaycli.bench.timing import replayed  # noqa: E402
 
 
-# BLOCK_N:STAGES:CTX_STAGES:CTX_MODE:SYS_REGS:CTX_REGS (kernels/gluon_fused_relay.py's knobs)
-VARIANTS = ["64:3:2:0:176:136", "64:3:2:2:176:136", "64:4:2:0:176:136", "64:3:3:0:176:136", "64:3:2:0:184:120"]
+# BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM[:PDL_MERGE]]
+# (kernels/gluon_fused_relay.py's knobs; the optional two default to 0)
+VARIANTS = ["64:3:4:0:176:136", "64:3:4:2:176:136", "64:4:4:0:176:136", "64:3:6:0:176:136", "64:3:4:0:184:120"]
 
 
 def parse(variant: str) -> dict:
-    bn, stages, ctx_stages, mode, sys_regs, ctx_regs = map(int, variant.split(":"))
-    return dict(block_n=bn, stages=stages, ctx_stages=ctx_stages, ctx_mode=mode, sys_regs=sys_regs,
-                ctx_regs=ctx_regs)
+    fields = list(map(int, variant.split(":")))
+    assert 6 <= len(fields) <= 8, f"variant {variant!r}: 6 to 8 fields"
+    bn, stages, ctx_tiles, mode, sys_regs, ctx_regs = fields[:6]
+    q_smem, pdl = (fields[6:] + [0, 0])[:2]
+    return dict(block_n=bn, stages=stages, ctx_tiles=ctx_tiles, ctx_mode=mode, sys_regs=sys_regs,
+                ctx_regs=ctx_regs, q_smem=bool(q_smem), pdl_merge=bool(pdl))
 
 
 def fused_fn(q, kc, vc, meta, pre, scale, splits, variant: str = VARIANTS[0]):
@@ -135,7 +139,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b:256", "llama3-8b:64"])
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--own", type=int, default=128)
-    ap.add_argument("--variants", nargs="+", default=VARIANTS, help="BLOCK_N:STAGES:CTX_STAGES:CTX_MODE:SYS_REGS:CTX_REGS")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, help="BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM[:PDL_MERGE]]")
     ap.add_argument("--no-checks", action="store_true", help="skip the ragged-length checks")
     ap.add_argument("--tag", default="fused_relay")
     ap.add_argument("--smoke", action="store_true", help="one small fused step against the reference, then exit")

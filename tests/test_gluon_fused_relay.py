@@ -64,7 +64,8 @@ def test_fused_relay_ragged_batches(dtype, heads):
 def test_fused_relay_ring_depths_and_register_splits():
     lens = [random.randint(1, 300) for _ in range(64)]
     q, kc, vc, pre, meta = _step(32, 8, 128, lens, 2048, torch.bfloat16)
-    for kw in (dict(stages=2), dict(stages=4), dict(ctx_stages=3)):
+    for kw in (dict(stages=2), dict(stages=4), dict(ctx_tiles=2), dict(ctx_tiles=3), dict(ctx_tiles=6),
+               dict(block_n=128, stages=2, ctx_tiles=3, q_smem=True, sys_regs=216, ctx_regs=56)):
         _check(q, kc, vc, pre, meta, 4, **kw)
     # another register split: the same results (at 120 the own-key warpgroup spills a register)
     _check(q, kc, vc, pre, meta, 4, spill_free=False, sys_regs=184, ctx_regs=120)
