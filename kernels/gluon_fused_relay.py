@@ -48,6 +48,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.gluon_system_attention import (LOG2E, WS_PRODUCER_REGS, _acc_layout, _cta_barrier, _ws_consumer,
                                             _ws_producer, _ws_ring)
+from kernels.triton_plan import FUSED_CHUNK
 from kernels.triton_system_attention import merge_partials
 QN = gl.constexpr(8)  # query rows of an own chunk's wgmma (its N): a request's G rows, padded
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
@@ -83,23 +84,32 @@ def _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C: gl.constexpr, 
 @gluon.jit
 def _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G: gl.constexpr, C: gl.constexpr,
                   WARPS: gl.constexpr, CTX_MODE: gl.constexpr):
-    """What both own-key roles walk: (items, chunks, the first item's length)."""
+    """What both own-key roles walk: (items, chunks, the first item's length, the second's)."""
     n_items = _num_items(req_base, req_end, split, num_splits, (128 + G - 1) // G)
     total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, (128 + G - 1) // G, WARPS)
     if CTX_MODE == 2:  # timing only: no own keys (the result is incomplete)
         total = 0
-    return n_items, total, gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0)
+    return (n_items, total, gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0),
+            gl.load(ctx_ptr + req_base + split + num_splits, mask=n_items > 1, other=0))
 
 
 @gluon.jit
-def _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C: gl.constexpr):
-    """Past one chunk of item it_k: the next chunk, in the next item after the last one."""
+def _next_chunk(it_k, it_c, it_len, nx_len, n_items, ctx_ptr, req_base, split, num_splits, C: gl.constexpr,
+                AHEAD: gl.constexpr):
+    """Past one chunk of item it_k: the next chunk, in the next item after the last one.
+    AHEAD (the own-key warpgroup): nx_len, the next item's length, is read an item ahead, so
+    no load latency sits between one item's last chunk and the next one's first; the TMA
+    warp (24 registers) reads it when it gets there, behind its slot waits."""
     it_c += 1
     if it_c * C >= it_len:
         it_k += 1
         it_c = 0
-        it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
-    return it_k, it_c, it_len
+        if AHEAD:
+            it_len = nx_len
+            nx_len = gl.load(ctx_ptr + req_base + split + (it_k + 1) * num_splits, mask=it_k + 1 < n_items, other=0)
+        else:
+            it_len = gl.load(ctx_ptr + req_base + split + it_k * num_splits, mask=it_k < n_items, other=0)
+    return it_k, it_c, it_len, nx_len
 
 
 @gluon.constexpr_function
@@ -124,7 +134,7 @@ def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, l
     st_layout: gl.constexpr = _acc_layout(QN, 4)  # [C, 8] and [D, 8] accumulators, one warpgroup
     col_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
-    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 4, CTX_MODE)
+    n_items, total, it_len, nx_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 4, CTX_MODE)
     it_k = n_items * 0
     it_c = n_items * 0
     m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
@@ -132,29 +142,36 @@ def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, l
     o_c = gl.zeros([D, QN], gl.float32, layout=st_layout)
     cols = gl.arange(0, QN, layout=col_l)
     dims = gl.arange(0, D, layout=key_l)
-    for c in range(total):
-        tk = 2 * c  # K's tile; V's is the next
-        mbarrier.wait(c_ready.index(tk % CTX_TILES), (tk // CTX_TILES) & 1)
-        s_tok = warpgroup_mma(cr_smem.index(tk % CTX_TILES), qc_smem.index(c % _q_slots(CTX_TILES)).permute((1, 0)),
-                              gl.zeros([C, QN], gl.float32, layout=st_layout), use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(c_empty.index(tk % CTX_TILES), count=1)
-        keys = it_c * C + gl.arange(0, C, layout=key_l)
-        s = gl.where(gl.expand_dims(keys < it_len, 1), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_c, gl.max(s, 0))
+    c = total * 0
+    while c < total:
+        # Two chunks of one item a step where the item has them: one cross-warp max and sum
+        # and one barrier per 128 keys (the keys are the wgmma's M, spread over the 4 warps)
+        pair = (c + 1 < total) & ((it_c + 1) * C < it_len)
+        s0 = _own_scores(cr_smem, qc_smem, c_ready, c_empty, c, st_layout, C, CTX_TILES)
+        s0 = gl.where(gl.expand_dims(it_c * C + gl.arange(0, C, layout=key_l) < it_len, 1), s0 * qk_scale,
+                      float("-inf"))
+        if pair:
+            s1 = _own_scores(cr_smem, qc_smem, c_ready, c_empty, c + 1, st_layout, C, CTX_TILES)
+            s1 = gl.where(gl.expand_dims((it_c + 1) * C + gl.arange(0, C, layout=key_l) < it_len, 1),
+                          s1 * qk_scale, float("-inf"))
+        else:
+            s1 = gl.full([C, QN], float("-inf"), gl.float32, layout=st_layout)
+        m_new = gl.maximum(m_c, gl.max(gl.maximum(s0, s1), 0))
         alpha = gl.exp2(m_c - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))
-        l_c = l_c * alpha + gl.sum(p, 0)
+        p0 = gl.exp2(s0 - gl.expand_dims(m_new, 0))
+        p1 = gl.exp2(s1 - gl.expand_dims(m_new, 0))
+        l_c = l_c * alpha + gl.sum(p0 + p1, 0)
         m_c = m_new
-        pc_smem.store(gl.permute(p.to(dtype), [1, 0]))
+        pc_smem.index(0).store(gl.permute(p0.to(dtype), [1, 0]))
+        pc_smem.index(1).store(gl.permute(p1.to(dtype), [1, 0]))
         fence_async_shared()
         _cta_barrier()  # every thread's P rows are in shared memory before the wgmma reads them
-        tv = tk + 1
-        mbarrier.wait(c_ready.index(tv % CTX_TILES), (tv // CTX_TILES) & 1)
-        o_tok = warpgroup_mma(cr_smem.index(tv % CTX_TILES).permute((1, 0)), pc_smem.permute((1, 0)),
-                              o_c * gl.expand_dims(alpha, 0), is_async=True)
-        o_c = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(c_empty.index(tv % CTX_TILES), count=1)
+        o_c = _own_pv(cr_smem, pc_smem.index(0), c_ready, c_empty, c, o_c * gl.expand_dims(alpha, 0), CTX_TILES)
+        if pair:
+            o_c = _own_pv(cr_smem, pc_smem.index(1), c_ready, c_empty, c + 1, o_c, CTX_TILES)
+            it_k, it_c, it_len, nx_len = _next_chunk(it_k, it_c, it_len, nx_len, n_items, ctx_ptr, req_base, split,
+                                                 num_splits, C, True)
+            c += 1
         if (it_c + 1) * C >= it_len:  # the item's last chunk: its partial out
             n = req_base + split + it_k * num_splits
             o = o_c / gl.expand_dims(gl.where(l_c == 0.0, 1.0, l_c), 0)
@@ -167,7 +184,33 @@ def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, l
             m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
             l_c = gl.zeros([QN], gl.float32, layout=col_l)
             o_c = gl.zeros([D, QN], gl.float32, layout=st_layout)
-        it_k, it_c, it_len = _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C)
+        it_k, it_c, it_len, nx_len = _next_chunk(it_k, it_c, it_len, nx_len, n_items, ctx_ptr, req_base, split,
+                                                 num_splits, C, True)
+        c += 1
+
+
+@gluon.jit
+def _own_scores(cr_smem, qc_smem, c_ready, c_empty, c, st_layout: gl.constexpr, C: gl.constexpr,
+                CTX_TILES: gl.constexpr):
+    """S^T [C, 8] of chunk c (its K: ring tile 2c); the K slot is free once this returns."""
+    tk = 2 * c
+    mbarrier.wait(c_ready.index(tk % CTX_TILES), (tk // CTX_TILES) & 1)
+    s_tok = warpgroup_mma(cr_smem.index(tk % CTX_TILES), qc_smem.index(c % _q_slots(CTX_TILES)).permute((1, 0)),
+                          gl.zeros([C, QN], gl.float32, layout=st_layout), use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(c_empty.index(tk % CTX_TILES), count=1)
+    return s
+
+
+@gluon.jit
+def _own_pv(cr_smem, p_smem, c_ready, c_empty, c, o_c, CTX_TILES: gl.constexpr):
+    """O^T += V_c^T P^T for chunk c (its V: ring tile 2c + 1), then the V slot is free."""
+    tv = 2 * c + 1
+    mbarrier.wait(c_ready.index(tv % CTX_TILES), (tv // CTX_TILES) & 1)
+    o_tok = warpgroup_mma(cr_smem.index(tv % CTX_TILES).permute((1, 0)), p_smem.permute((1, 0)), o_c, is_async=True)
+    o_c = warpgroup_mma_wait(0, deps=[o_tok])
+    mbarrier.arrive(c_empty.index(tv % CTX_TILES), count=1)
+    return o_c
 
 
 @gluon.jit
@@ -178,7 +221,7 @@ def _ctx_producer(kc_desc, vc_desc, q_desc, cr_smem, qc_smem, c_ready, c_empty, 
     """The own-key TMA warp: chunk c's K and V block and Q rows as soon as its slot is free.
     The next chunk's cache block is read one chunk ahead, so no load latency sits in front
     of a TMA."""
-    n_items, total, it_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 1, CTX_MODE)
+    n_items, total, it_len, nx_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 1, CTX_MODE)
     it_k = n_items * 0
     it_c = n_items * 0
     blk = gl.load(bt_ptr + (req_base + split) * stride_bt, mask=n_items > 0, other=0)
@@ -195,7 +238,8 @@ def _ctx_producer(kc_desc, vc_desc, q_desc, cr_smem, qc_smem, c_ready, c_empty, 
         mbarrier.wait(c_empty.index(sv), (((tk + 1) // CTX_TILES) & 1) ^ 1)
         mbarrier.expect(c_ready.index(sv), vc_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(vc_desc, [blk * C, h * D], c_ready.index(sv), cr_smem.index(sv))
-        it_k, it_c, it_len = _next_chunk(it_k, it_c, it_len, n_items, ctx_ptr, req_base, split, num_splits, C)
+        it_k, it_c, it_len, nx_len = _next_chunk(it_k, it_c, it_len, nx_len, n_items, ctx_ptr, req_base, split,
+                                                 num_splits, C, False)
         blk = gl.load(bt_ptr + (req_base + split + it_k * num_splits) * stride_bt + it_c, mask=it_k < n_items,
                       other=0)
 
@@ -219,7 +263,7 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
     k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _ws_ring(k_desc, v_desc, STAGES, BLOCK_N, D)
     cr = gl.allocate_shared_memory(dtype, [CTX_TILES, C, D], kc_desc.layout)  # own K and V tiles (vc_desc's too)
     qc = gl.allocate_shared_memory(dtype, [_q_slots(CTX_TILES), QN, D], q_desc.layout)
-    pc = gl.allocate_shared_memory(dtype, [QN, C], gl.NVMMASharedLayout.get_default_for([QN, C], dtype))
+    pc = gl.allocate_shared_memory(dtype, [2, QN, C], gl.NVMMASharedLayout.get_default_for([QN, C], dtype))
     c_ready = gl.allocate_shared_memory(gl.int64, [CTX_TILES, 1], mbarrier.MBarrierLayout())
     c_empty = gl.allocate_shared_memory(gl.int64, [CTX_TILES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(CTX_TILES):
@@ -265,7 +309,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
                        num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
                        launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
                        ctx_mode: int = 0, q_smem: bool = False,
-                       pdl_merge: bool = False):
+                       pdl_merge: bool = False, merge_unroll: int | None = None):
     """One decode step of relay attention, every request behind the one prefix.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
@@ -278,6 +322,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     q_smem: the prefix consumers hold Q in shared memory, not registers (for block_n 128).
     pdl_merge: the merge kernel is launched as a programmatic dependent (sm_90), so its
     launch overlaps this kernel's tail; it waits for this kernel before reading.
+    merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
     """
     n, hq, d = q.shape
     s_len, hkv, _ = k_sys.shape
@@ -285,7 +330,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     g = hq // hkv
     assert q.is_contiguous() and k_sys.is_contiguous() and v_sys.is_contiguous(), "contiguous q and system KV"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == 64 and 1 <= g <= QN.value
+    assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == FUSED_CHUNK and 1 <= g <= QN.value
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
     assert block_n in (64, 128) and stages >= 1 and ctx_tiles >= 2, "tiles and ring depths"
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
@@ -313,4 +358,4 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
         HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_TILES=ctx_tiles,
         Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, TRIGGER=pdl_merge, num_warps=4,
         maxnreg=launch_regs)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, pdl=pdl_merge)[0], kernel
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, pdl=pdl_merge, unroll=merge_unroll)[0], kernel

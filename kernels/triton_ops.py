@@ -17,7 +17,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import (DECODE_TILE, fused_decode_plan, matrix_bound, resident_splits, split_plan,
+from kernels.triton_plan import (DECODE_TILE, fused_decode_plan, fused_tile, matrix_bound, resident_splits, split_plan,
                                  system_config)
 from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
@@ -93,7 +93,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             from kernels.gluon_fused_relay import fused_relay_decode  # Gluon: sm_90 only
             (_, k_sys, v_sys), = groups
             return fused_relay_decode(q.contiguous(), k_sys, v_sys, k_cache, v_cache, meta.block_tables,
-                                      meta.context_lens, scale, splits)[0]
+                                      meta.context_lens, scale, splits, **fused_tile(n, hq, hkv))[0]
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:

@@ -161,7 +161,8 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2,
 # batch 64 and 256, 8,192 prefix tokens, 128 own; twenty-second session), and so did the
 # --no-relay baseline at batch 64, 8,192 own keys (2,178 and 492 us against the nineteenth
 # session's 2,165 and 484 on 16-key blocks, llama2-7b and llama3-8b heads; twenty-third).
-CUDA_BLOCK_SIZE = 64
+FUSED_CHUNK = 64  # own keys a chunk of the fused decode step: one cache block, one TMA box
+CUDA_BLOCK_SIZE = FUSED_CHUNK
 CPU_BLOCK_SIZE = 16
 
 
@@ -207,7 +208,7 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     program holds an SM's registers), and at least 256 prefix keys a split.
     """
     group = num_heads // num_kv_heads
-    if not (is_sm90(device) and block_size == 64 and elem == 2 and head_dim in (64, 128)
+    if not (is_sm90(device) and block_size == FUSED_CHUNK and elem == 2 and head_dim in (64, 128)
             and 1 <= group <= 8 and prefix_tokens > 0 and num_seqs > 0):
         return None
     rows_per_tile = -(-128 // group)  # requests a program takes at most
@@ -216,10 +217,30 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     while programs * splits * 2 <= num_sms(device) and prefix_tokens >= 2 * splits * 256:
         splits *= 2
     requests = -(-min(num_seqs, rows_per_tile) // splits)
-    own_chunks = requests * max(1, -(-num_context_tokens // (num_seqs * 64)))
-    prefix_tiles = -(-prefix_tokens // (splits * 64))
-    longest_chunks = -(-max_context_len // 64)
+    own_chunks = requests * max(1, -(-num_context_tokens // (num_seqs * FUSED_CHUNK)))
+    prefix_tiles = -(-prefix_tokens // (splits * 64))  # in 64-key tiles, whatever the kernel's
+    longest_chunks = -(-max_context_len // FUSED_CHUNK)
     return splits if max(own_chunks, longest_chunks) <= 2 * prefix_tiles else None
+
+
+# The fused kernel's prefix tile where the prefix consumers are its longer role: 128-key
+# tiles with Q in shared memory (the consumers then need 216 registers, the own-key
+# warpgroup gets 56, and the own-key ring 3 tiles: 219 KiB). H200, bf16, graph-replayed,
+# L2 emptied, 8,192 prefix + 128 own keys (docs/kernels.md, twenty-fourth session):
+# llama3-8b heads batch 256 72.8 us against 78.4 with 64-key tiles (8 row tiles a KV head);
+# at batch 64 (2 row tiles) 35.2 against 34.5, llama2-7b batch 256 (G = 1, 2 row tiles,
+# where the own keys are the heavier role) 189.5 against 183.3.
+FUSED_WIDE_TILE = dict(block_n=128, stages=2, ctx_tiles=3, q_smem=True, sys_regs=216, ctx_regs=56)
+FUSED_WIDE_MIN_ROW_TILES = 4
+
+
+def fused_tile(num_seqs: int, num_heads: int, num_kv_heads: int) -> dict:
+    """Keyword arguments of kernels/gluon_fused_relay.fused_relay_decode for a step of
+    num_seqs rows: FUSED_WIDE_TILE where a KV head has FUSED_WIDE_MIN_ROW_TILES row tiles of
+    128 query rows or more (the prefix work per program is then the longer role), else the
+    launcher's defaults (64-key tiles, Q in registers, a 4-tile own-key ring)."""
+    row_tiles = -(-num_seqs * (num_heads // num_kv_heads) // 128)
+    return dict(FUSED_WIDE_TILE) if row_tiles >= FUSED_WIDE_MIN_ROW_TILES else {}
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,7 +39,8 @@ from kernels import reference as ref  # noqa: E402
 from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
 from kernels.gluon_system_attention import gluon_system_attention_into  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
-from kernels.triton_plan import WS_TILE  # noqa: E402
+from kernels.triton_plan import WS_TILE, fused_tile  # noqa: E402
+from kernels.triton_system_attention import merge_partials  # noqa: E402
 from relaycli.bench.timing import replayed  # noqa: E402
 
 
@@ -118,8 +119,20 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
                                2, ws=True)
     system()
     record("system alone (ws)", dk.bench_us(system), splits=splits)
+    # the merge kernel alone on the fused step's partials (its share of the step), by how many
+    # partials it loads at once (None: triton_plan.merge_unroll's choice)
+    parts_o = torch.randn(splits + 1, batch, hq, d, device=dev)
+    parts_l = torch.randn(splits + 1, batch, hq, device=dev)
+    for unroll in (None, 1, 2, 4, splits + 1):
+        record("merge alone", dk.bench_us(lambda: merge_partials(parts_o, parts_l, q.dtype, with_lse=False,
+                                                                 unroll=unroll)), splits=splits + 1, unroll=unroll)
+    tile = fused_tile(batch, hq, hkv)  # the engine's tile, with every partial in flight at once in the merge
+    fn = functools.partial(fused_relay_decode, q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, scale,
+                           splits, merge_unroll=splits + 1, **tile)
+    dk.check(f"{case} fused engine tile, merge unroll {splits + 1}", fn()[0], want)
+    record("fused + merge unroll all", dk.bench_us(fn), splits=splits, tile=str(tile))
     for variant in variants:
-        for s in sorted({splits, max(1, splits // 2)}):
+        for s in (splits,):  # half as many splits was slower in every step measured (twenty-second session)
             try:
                 fn = fused_fn(q, kc, vc, meta, pre, scale, s, variant)
                 got, kernel = fn()

@@ -157,6 +157,20 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
     assert triton_ops.context_tokens(meta) == meta.num_seqs * meta.max_context_len
 
 
+def test_fused_tile_is_wide_where_a_kv_head_has_four_row_tiles():
+    """The fused kernel's 128-key prefix tile (Q in shared memory) where a KV head has 4+ row
+    tiles of 128 query rows: llama3-8b heads at batch 256 (measured faster on the H200) and
+    128; not at batch 64, nor llama2-7b's G = 1 at 256 (measured slower: the own keys lead)."""
+    from kernels import triton_plan
+    assert triton_plan.fused_tile(256, 32, 8) == triton_plan.FUSED_WIDE_TILE
+    assert triton_plan.fused_tile(128, 32, 8) == triton_plan.FUSED_WIDE_TILE
+    assert triton_plan.fused_tile(97, 32, 8) == triton_plan.FUSED_WIDE_TILE  # 388 rows: 4 tiles, the last short
+    assert triton_plan.fused_tile(96, 32, 8) == {}  # 384 rows: 3 tiles
+    assert triton_plan.fused_tile(64, 32, 8) == {}
+    assert triton_plan.fused_tile(256, 32, 32) == {}
+    assert triton_plan.fused_tile(512, 32, 32) == triton_plan.FUSED_WIDE_TILE
+
+
 def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     """Where the fused own-key step runs (sm_90, 64-key blocks, 16-bit) and pays: the
     H200 tables in triton_plan.fused_decode_plan's docstring."""
