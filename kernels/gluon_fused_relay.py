@@ -20,6 +20,10 @@ so an own chunk costs two small wgmma chains and 4 + 8 accumulator registers a t
 8 query rows are the TMA box of Q's rows n*Hq + h*G .. +8: the first G are the request's,
 the rest other heads' (finite, ignored). Own keys are paged; a chunk is one cache block
 (block_size == C), one TMA for its K and one for its V, into a ring of CTX_TILES [C, D] slots.
+The keys are spread over the warpgroup's 4 warps, so a chunk's max and sum cross warps:
+where a request has two chunks left the warpgroup takes both in one step (one max, one sum
+and one barrier per 128 keys), which made the own keys no longer the longer role at llama3
+batch 256 (twenty-fourth session).
 
 Result: the system partials at splits 0..num_splits-1 as the system kernel writes them, the
 own-key partial of every (request, head) at split num_splits, then merge_partials. Work:
@@ -32,7 +36,8 @@ H200 (docs/kernels.md, twenty-second session): llama3-8b heads, 8,192 + 128 own 
 77.3-78.6 us against the engine's plan's 109.9-110.1 at batch 256, 33.8-34.6 against
 47.6-49.0 at batch 64. The engine's plan since the twenty-third session, for graphed decode
 steps where triton_plan.fused_decode_plan says it pays (kernels/triton_ops.py), on 64-key
-cache blocks.
+cache blocks; since the twenty-fourth, with 128-key prefix tiles and Q in shared memory
+where triton_plan.fused_tile says (4+ row tiles a KV head): 72.6 us at llama3 batch 256.
 """
 
 from __future__ import annotations
