@@ -185,12 +185,14 @@ for part in "${parts[@]}"; do
     ws-regs)  # the warp-specialised system kernel under lower register caps beside the context (twentieth session)
       timeout 560 python3 scripts/device_ws_regs.py 2>&1 | tee "$OUT/ws_regs.log" | grep -v '^check .* ok$' | tail -60 ;;
     fused)  # the own keys inside the warp-specialised system program (twenty-second session)
-      timeout 240 python3 -m pytest -q tests/test_gluon_fused_relay.py 2>&1 | tee "$OUT/fused_tests.log" | tail -5
-      timeout 170 python3 scripts/device_fused_relay.py --no-checks --variants 64:3:2:0:176:136 64:3:2:2:176:136 \
-        --shapes llama3-8b:256 llama3-8b:128 llama3-8b:64 llama2-7b:256 llama2-7b:64 --tag fused_relay \
+      # (twenty-fourth session: the third field is the own-key ring's tiles, 4 = the old 2 stages;
+      # 128:2:3:0:216:56:1 is triton_plan.FUSED_WIDE_TILE; the tests took about 3 minutes)
+      timeout 300 python3 -m pytest -q tests/test_gluon_fused_relay.py 2>&1 | tee "$OUT/fused_tests.log" | tail -5
+      timeout 170 python3 scripts/device_fused_relay.py --no-checks --variants 64:3:4:0:176:136 64:3:4:2:176:136 \
+        128:2:3:0:216:56:1 --shapes llama3-8b:256 llama3-8b:128 llama3-8b:64 llama2-7b:256 --tag fused_relay \
         2>&1 | tee "$OUT/fused_relay.log" | grep -v '^check .* ok$' | tail -40
       for own in 32 300 512; do
-        timeout 50 python3 scripts/device_fused_relay.py --no-checks --variants 64:3:2:0:176:136 \
+        timeout 50 python3 scripts/device_fused_relay.py --no-checks --variants 64:3:4:0:176:136 128:2:3:0:216:56:1 \
           --shapes llama3-8b:256 llama3-8b:64 --prefix 4096 --own $own --tag "fused_relay_own$own" \
           2>&1 | tee -a "$OUT/fused_relay.log" | grep -v '^check .* ok$' | tail -8
       done ;;
