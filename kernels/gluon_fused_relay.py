@@ -48,7 +48,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.gluon_own_keys import QN, _ctx_consumer, _ctx_producer, _q_slots
 from kernels.gluon_system_attention import LOG2E, WS_PRODUCER_REGS, _ws_consumer, _ws_producer, _ws_ring
@@ -70,12 +69,9 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
                   stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
-                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr,
-                  TRIGGER: gl.constexpr):
+                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr):
     """grid (cdiv(n*G, 128), Hkv, num_splits); 4 warps (the first prefix consumer) + a second
     prefix consumer, the own-key warpgroup and two TMA warps."""
-    if TRIGGER:  # the merge kernel, a programmatic dependent, may be placed now (it waits)
-        gdc_launch_dependents()
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
@@ -128,8 +124,7 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                        num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
                        launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
-                       ctx_mode: int = 0, q_smem: bool = False,
-                       pdl_merge: bool = False, merge_unroll: int | None = None):
+                       ctx_mode: int = 0, q_smem: bool = False, merge_unroll: int | None = None):
     """One decode step of relay attention, every request behind the one prefix.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
@@ -140,8 +135,6 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
     ctx_tiles: slots of the own-key ring, a [64, D] K or V tile each (2 or more).
     q_smem: the prefix consumers hold Q in shared memory, not registers (for block_n 128).
-    pdl_merge: the merge kernel is launched as a programmatic dependent (sm_90), so its
-    launch overlaps this kernel's tail; it waits for this kernel before reading.
     merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
     """
     n, hq, d = q.shape
@@ -176,6 +169,6 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_TILES=ctx_tiles,
-        Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, TRIGGER=pdl_merge, num_warps=4,
+        Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, num_warps=4,
         maxnreg=launch_regs)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, pdl=pdl_merge, unroll=merge_unroll)[0], kernel
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll)[0], kernel

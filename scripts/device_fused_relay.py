@@ -14,7 +14,7 @@ batches. Times: median over CUDA-graph replays, the L2 emptied clean before each
 TAG.json to $OUT.
 
 Usage: python scripts/device_fused_relay.py [--shapes llama3-8b:256 llama3-8b:64] [--prefix N] [--own N]
-           [--variants BN:STAGES:CTX_TILES:MODE:SYS_REGS:CTX_REGS[:Q_SMEM[:PDL]] ...] [--smoke] [--no-checks] [--tag T]
+           [--variants BN:STAGES:CTX_TILES:MODE:SYS_REGS:CTX_REGS[:Q_SMEM] ...] [--smoke] [--no-checks] [--tag T]
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ from kernels.triton_system_attention import merge_partials  # noqa: E402
 from relaycli.bench.timing import replayed  # noqa: E402
 
 
-# BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM[:PDL_MERGE]]
-# (kernels/gluon_fused_relay.py's knobs; the optional two default to 0)
+# BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM] (kernels/gluon_fused_relay.py's
+# knobs; Q_SMEM defaults to 0). The twenty-fourth session's PDL_MERGE field (the merge launched
+# as a programmatic dependent, 2.5-10.5 us slower) went with the option.
 VARIANTS = ["64:3:4:0:176:136", "64:3:4:2:176:136", "64:4:4:0:176:136", "64:3:6:0:176:136", "64:3:4:0:184:120"]
 
 
 def parse(variant: str) -> dict:
     fields = list(map(int, variant.split(":")))
-    assert 6 <= len(fields) <= 8, f"variant {variant!r}: 6 to 8 fields"
+    assert len(fields) in (6, 7), f"variant {variant!r}: 6 or 7 fields"
     bn, stages, ctx_tiles, mode, sys_regs, ctx_regs = fields[:6]
-    q_smem, pdl = (fields[6:] + [0, 0])[:2]
     return dict(block_n=bn, stages=stages, ctx_tiles=ctx_tiles, ctx_mode=mode, sys_regs=sys_regs,
-                ctx_regs=ctx_regs, q_smem=bool(q_smem), pdl_merge=bool(pdl))
+                ctx_regs=ctx_regs, q_smem=bool(fields[6]) if len(fields) == 7 else False)
 
 
 def fused_fn(q, kc, vc, meta, pre, scale, splits, variant: str = VARIANTS[0]):
@@ -152,7 +152,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b:256", "llama3-8b:64"])
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--own", type=int, default=128)
-    ap.add_argument("--variants", nargs="+", default=VARIANTS, help="BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM[:PDL_MERGE]]")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS,
+                    help="BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM]")
     ap.add_argument("--no-checks", action="store_true", help="skip the ragged-length checks")
     ap.add_argument("--tag", default="fused_relay")
     ap.add_argument("--smoke", action="store_true", help="one small fused step against the reference, then exit")
