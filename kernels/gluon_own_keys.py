@@ -112,13 +112,10 @@ def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, l
         # Two chunks of one item a step where the item has them: one cross-warp max and sum
         # and one barrier per 128 keys (the keys are the wgmma's M, spread over the 4 warps)
         pair = (c + 1 < total) & ((it_c + 1) * C < it_len)
-        s0 = _own_scores(cr_smem, qc_smem, c_ready, c_empty, c, st_layout, C, CTX_TILES)
-        s0 = gl.where(gl.expand_dims(it_c * C + gl.arange(0, C, layout=key_l) < it_len, 1), s0 * qk_scale,
-                      float("-inf"))
+        s0 = _own_scores(cr_smem, qc_smem, c_ready, c_empty, c, it_c * C, it_len, qk_scale, st_layout, C, CTX_TILES)
         if pair:
-            s1 = _own_scores(cr_smem, qc_smem, c_ready, c_empty, c + 1, st_layout, C, CTX_TILES)
-            s1 = gl.where(gl.expand_dims((it_c + 1) * C + gl.arange(0, C, layout=key_l) < it_len, 1),
-                          s1 * qk_scale, float("-inf"))
+            s1 = _own_scores(cr_smem, qc_smem, c_ready, c_empty, c + 1, (it_c + 1) * C, it_len, qk_scale, st_layout,
+                             C, CTX_TILES)
         else:
             s1 = gl.full([C, QN], float("-inf"), gl.float32, layout=st_layout)
         m_new = gl.maximum(m_c, gl.max(gl.maximum(s0, s1), 0))
@@ -155,16 +152,18 @@ def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, l
 
 
 @gluon.jit
-def _own_scores(cr_smem, qc_smem, c_ready, c_empty, c, st_layout: gl.constexpr, C: gl.constexpr,
-                CTX_TILES: gl.constexpr):
-    """S^T [C, 8] of chunk c (its K: ring tile 2c); the K slot is free once this returns."""
+def _own_scores(cr_smem, qc_smem, c_ready, c_empty, c, first_key, it_len, qk_scale, st_layout: gl.constexpr,
+                C: gl.constexpr, CTX_TILES: gl.constexpr):
+    """Scaled S^T [C, 8] of chunk c (its K: ring tile 2c), keys from first_key, those at or
+    past the item's length it_len -inf; the K slot is free once this returns."""
     tk = 2 * c
     mbarrier.wait(c_ready.index(tk % CTX_TILES), (tk // CTX_TILES) & 1)
     s_tok = warpgroup_mma(cr_smem.index(tk % CTX_TILES), qc_smem.index(c % _q_slots(CTX_TILES)).permute((1, 0)),
                           gl.zeros([C, QN], gl.float32, layout=st_layout), use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(c_empty.index(tk % CTX_TILES), count=1)
-    return s
+    keys = first_key + gl.arange(0, C, layout=gl.SliceLayout(1, st_layout))
+    return gl.where(gl.expand_dims(keys < it_len, 1), s * qk_scale, float("-inf"))
 
 
 @gluon.jit
