@@ -122,20 +122,34 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
 
 def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                       num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
-                       launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
-                       ctx_mode: int = 0, q_smem: bool = False, merge_unroll: int | None = None):
-    """One decode step of relay attention, every request behind the one prefix.
+                       num_splits: int, merge_unroll: int | None = None, **tile):
+    """One decode step of relay attention, every request behind the one prefix: the fused
+    kernel's partials (fused_relay_partials, whose arguments these are), then merge_partials.
+
+    Returns o [N, Hq, D] in q's dtype, and the launched kernel.
+    merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
+    """
+    o_part, lse_part, kernel = fused_relay_partials(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens,
+                                                    scale, num_splits, **tile)
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll)[0], kernel
+
+
+def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
+                         launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
+                         ctx_mode: int = 0, q_smem: bool = False):
+    """The fused kernel alone: the partials of one decode step, unmerged.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
     [num_blocks, C, Hkv, D] with C = 64 keys a block; block_tables [N, max_blocks] int32;
     context_lens [N] int32 (own keys; 0 for a padding row of a decode graph, whose own
-    partial is then empty and whose table's first block is still read). Returns o [N, Hq, D]
-    in q's dtype, and the launched kernel.
+    partial is then empty and whose table's first block is still read). Returns the fp32
+    partials o [num_splits + 1, N, Hq, D] and lse [num_splits + 1, N, Hq] (the own keys' last),
+    and the launched kernel.
     ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
     ctx_tiles: slots of the own-key ring, a [64, D] K or V tile each (2 or more).
     q_smem: the prefix consumers hold Q in shared memory, not registers (for block_n 128).
-    merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
     """
     n, hq, d = q.shape
     s_len, hkv, _ = k_sys.shape
@@ -171,4 +185,4 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
         HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_TILES=ctx_tiles,
         Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, num_warps=4,
         maxnreg=launch_regs)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll)[0], kernel
+    return o_part, lse_part, kernel

@@ -110,6 +110,23 @@ def merge_unroll(programs: int, device: torch.device) -> int:
     return 4 if programs <= 2 * num_sms(device) else 1
 
 
+def merge_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.device) -> int:
+    """Heads a merge program takes (a power of two): all of a row's, up to 2,048 values, as
+    long as the grid, rows x head blocks, keeps 3 or more programs an SM; fewer where it
+    would not. A small grid of large programs leaves each SM one program that waits an L2
+    round trip per split; more, smaller programs keep more loads in flight (the same bits
+    for any block: each value's fold is the same). H200, graph-replayed fused relay steps
+    (docs/kernels.md, twenty-fifth session): at llama3-8b batch 64, 4 heads a program
+    (512 programs) against 16 (128) took the step from 33.4-34.5 to 31.6-32.0 us, and
+    llama2-7b batch 64 from 78.7-79.5 to 76.4-76.6; at batch 128, 8 heads 43.6 against
+    44.2-45.4; at batch 256, 16 heads (512 programs) stays, 72.7-72.9 (4 heads: 73.4-73.8).
+    """
+    block_h = min(1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
+    while block_h > 4 and num_rows * -(-num_heads // block_h) < 3 * num_sms(device):
+        block_h //= 2
+    return block_h
+
+
 PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pay
 # Decode-sized system tiles on the GPU. DECODE_TILE: 64 query rows (one warpgroup of wgmma),
 # 64-key tiles, 3 stages, two programs an SM. WS_TILE: the warp-specialised Gluon kernel,

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.triton_plan import DECODE_TILE, merge_unroll, split_plan, system_config, tma_ok
+from kernels.triton_plan import DECODE_TILE, merge_block_h, merge_unroll, split_plan, system_config, tma_ok
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -294,18 +294,22 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,
-                   with_lse: bool = True, unroll: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_lse: bool = True, unroll: int | None = None, block_h: int | None = None,
+                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32.
 
     unroll: splits whose loads are in flight together (the same bits for any value);
-    None: triton_plan.merge_unroll's choice for the grid."""
+    None: triton_plan.merge_unroll's choice for the grid. block_h: heads a program (a power
+    of two; None: triton_plan.merge_block_h's choice); num_warps: the program's warps."""
     assert unroll is None or unroll >= 1, f"unroll must be at least 1, got {unroll}"
+    assert block_h is None or (block_h >= 1 and block_h & (block_h - 1) == 0), f"block_h {block_h}: a power of two"
     splits, n, heads, d = o_part.shape
     o = torch.empty(n, heads, d, dtype=out_dtype, device=o_part.device)
     lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
     if n == 0:
         return o, lse
-    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // d))
+    if block_h is None:
+        block_h = merge_block_h(n, heads, d, o_part.device)
     grid = (n, triton.cdiv(heads, block_h))
     if unroll is None:
         unroll = merge_unroll(grid[0] * grid[1], o_part.device)
@@ -313,7 +317,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
         o_part, lse_part, o, lse if with_lse else o, splits, heads,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,
-        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, UNROLL=unroll, num_warps=4)
+        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, UNROLL=unroll, num_warps=num_warps)
     return o, lse
 
 

@@ -36,7 +36,7 @@ import triton  # noqa: E402
 import device_kernels as dk  # noqa: E402
 from device_ws_regs import splits_for  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
+from kernels.gluon_fused_relay import fused_relay_decode, fused_relay_partials  # noqa: E402
 from kernels.gluon_system_attention import gluon_system_attention_into  # noqa: E402
 from kernels.triton_ops import relay_attention_with  # noqa: E402
 from kernels.triton_plan import WS_TILE, fused_tile  # noqa: E402
@@ -147,6 +147,51 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
                                 error=f"{type(exc).__name__}: {str(exc)[:400]}"))
 
 
+def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list) -> None:
+    """Where the merge's share of the step goes: the engine tile's fused kernel alone, with a
+    one-element fill after it (a second launch that does no work), and with the merge at
+    each (heads a program, warps, partials in flight), in the step and alone; every merge's
+    bits against the default's."""
+    hq, hkv, d = dk.HEADS[name]
+    scale = d ** -0.5
+    case = f"{name} B={batch} S={prefix}+{own}"
+    flops_all = 4 * batch * hq * (prefix + own) * d
+    byts = 2 * prefix * hkv * d * 2 + 2 * batch * hq * d * 2 + 2 * batch * own * hkv * d * 2
+    floor = max(byts / ceil["copy_bytes_per_s"], flops_all / ceil["bf16_flops_per_s"]) * 1e6
+    q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev, page=64)
+    k_sys, v_sys = pre[0]
+    want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k_sys.float(), v_sys.float())], scale)
+    splits = splits_for(triton.cdiv(batch * (hq // hkv), WS_TILE["BLOCK_M"]) * hkv, dev)
+    tile = fused_tile(batch, hq, hkv)
+    parts = functools.partial(fused_relay_partials, q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens,
+                              scale, splits, **tile)
+    one = torch.zeros(1, device=dev)
+
+    def record(kind, t_us, **extra):
+        row = dict(case=case, kind=kind, time_us=t_us, floor_us=floor, pct_floor=100 * floor / t_us, **extra)
+        out.append(row)
+        print(f"{case:26s} {kind:26s} {t_us:8.1f} us {row['pct_floor']:5.1f}%  "
+              + " ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
+
+    record("partials alone", dk.bench_us(parts), splits=splits)
+    record("partials + empty launch", dk.bench_us(lambda: (parts(), one.zero_())), splits=splits)
+    o_p, l_p, _ = parts()
+    base = merge_partials(o_p, l_p, q.dtype, with_lse=False)[0]
+    dk.check(f"{case} merge probe default", base, want)
+    for block_h in (None, 16, 8, 4, 2):  # None: triton_plan.merge_block_h's choice
+        for warps in (4, 2):
+            for unroll in (None, splits + 1):
+                kw = dict(unroll=unroll, block_h=block_h, num_warps=warps)
+                got = merge_partials(o_p, l_p, q.dtype, with_lse=False, **kw)[0]
+                if not torch.equal(got, base):  # the same fold order: any difference is a bug
+                    dk.checks.append(dict(name=f"{case} merge {kw} bits", rel_err=None, ok=False))
+                    print(f"check {case} merge {kw}: bits differ from the default merge's FAIL", flush=True)
+                step = lambda: merge_partials(*parts()[:2], q.dtype, with_lse=False, **kw)  # noqa: E731
+                record("step, merge", dk.bench_us(step), **kw)
+                record("merge alone", dk.bench_us(lambda: merge_partials(o_p, l_p, q.dtype, with_lse=False, **kw)),
+                       **kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b:256", "llama3-8b:64"])
@@ -157,6 +202,7 @@ def main() -> None:
     ap.add_argument("--no-checks", action="store_true", help="skip the ragged-length checks")
     ap.add_argument("--tag", default="fused_relay")
     ap.add_argument("--smoke", action="store_true", help="one small fused step against the reference, then exit")
+    ap.add_argument("--merge-probe", action="store_true", help="the merge's share of the step, by merge config")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.smoke:  # run under a timeout first: a kernel whose barriers deadlock hangs the GPU
@@ -183,6 +229,13 @@ def main() -> None:
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} "
           f"TFLOP/s", flush=True)
     rows: list = []
+    if args.merge_probe:
+        for shape in args.shapes:
+            name, batch = shape.split(":")
+            merge_probe(name, int(batch), args.prefix, args.own, ceil, dev, rows)
+            dk.save_rows(out_dir / f"{args.tag}.json", ceil, rows)
+        dk.report_checks()
+        return
     for shape in args.shapes:
         name, batch = shape.split(":")
         run_shape(name, int(batch), args.prefix, args.own, ceil, dev, rows, args.variants)

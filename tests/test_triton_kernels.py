@@ -233,6 +233,10 @@ def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits
     got = {u: merge_partials(o_part, lse_part, torch.float32, unroll=u) for u in (1, 3, 4, None)}
     for u in (3, 4, None):
         assert torch.equal(got[u][0], got[1][0]) and torch.equal(got[u][1], got[1][1])
+    # any number of heads a program (the last block part empty at 4 of 6), any warps: the same bits
+    for block_h, warps in ((1, 4), (2, 1), (4, 2), (8, 4)):
+        o_b, lse_b = merge_partials(o_part, lse_part, torch.float32, block_h=block_h, num_warps=warps)
+        assert torch.equal(o_b, got[1][0]) and torch.equal(lse_b, got[1][1]), (block_h, warps)
     # one row is a small grid, so the plan's choice there is 4 in flight (5 rows: 1 on CPU)
     one = [merge_partials(o_part[:, :1], lse_part[:, :1], torch.float32, unroll=u) for u in (1, None)]
     assert torch.equal(one[0][0], one[1][0]) and torch.equal(one[0][1], one[1][1])
@@ -376,6 +380,8 @@ def test_launchers_reject_bad_inputs():
         write_kv(kc, vc, q[:, :kc.shape[2]], q[:, :kc.shape[2]], meta.slot_mapping.int())
     with pytest.raises(AssertionError, match="num_splits must be at least 1"):
         paged_attention(q, kc, vc, meta, scale, out=torch.empty(1, *q.shape, device=DEVICE), num_splits=0)
+    with pytest.raises(AssertionError, match="a power of two"):
+        merge_partials(torch.zeros(2, 1, 6, 16, device=DEVICE), torch.zeros(2, 1, 6, device=DEVICE), q.dtype, block_h=3)
     with pytest.raises(AssertionError, match="unroll must be at least 1"):
         merge_partials(torch.zeros(2, 1, 1, 16, device=DEVICE), torch.zeros(2, 1, 1, device=DEVICE), q.dtype, unroll=0)
 
@@ -688,6 +694,17 @@ def test_merge_unroll_keeps_loads_in_flight_only_for_grids_that_leave_the_chip_i
     slots = 2 * num_sms(dev)
     assert merge_unroll(1, dev) == 4 and merge_unroll(slots, dev) == 4
     assert merge_unroll(slots + 1, dev) == 1 and merge_unroll(100 * slots, dev) == 1
+
+
+def test_merge_block_h_splits_heads_only_while_the_grid_is_small(monkeypatch):
+    import kernels.triton_plan as plan
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)  # an H200's
+    dev = torch.device("cpu")
+    # llama3-8b's 32 heads of 128: a row's 32 heads are 4,096 values, so 16 at most a program;
+    # fewer until the grid has 3 programs an SM (396), never fewer than 4
+    assert [plan.merge_block_h(n, 32, 128, dev) for n in (1, 64, 128, 256, 4096)] == [4, 4, 8, 16, 16]
+    assert plan.merge_block_h(256, 32, 64, dev) == 16 and plan.merge_block_h(64, 32, 64, dev) == 4
+    assert plan.merge_block_h(512, 9, 64, dev) == 16 and plan.merge_block_h(64, 2, 128, dev) == 2
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
