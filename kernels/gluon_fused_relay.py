@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gluon_own_keys import QN, _ctx_consumer, _ctx_producer, _q_slots
 from kernels.gluon_system_attention import LOG2E, WS_PRODUCER_REGS, _ws_consumer, _ws_producer, _ws_ring
-from kernels.triton_plan import FUSED_CHUNK, num_sms
+from kernels.triton_plan import FUSED_CHUNK
 from kernels.triton_system_attention import merge_partials
 
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
@@ -63,96 +63,15 @@ SYS_REGS = 176
 CTX_REGS = 136
 
 
-@gluon.jit
-def _stamp(dbg_ptr, k: gl.constexpr):
-    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [gl.program_id(0)], dtype=gl.int64,
-                                  is_pure=False, pack=1)
-    lin = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)
-    gl.store(dbg_ptr + lin * 8 + k, t)
-
-
-@gluon.jit
-def _merge_group(o_ptr, lse_ptr, out_ptr, cnt_ptr, row0, h, split, num_splits, n_queries,
-                 stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_outn, stride_outh,
-                 G: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, PARTS: gl.constexpr, dbg_ptr,
-                 PROBE: gl.constexpr):
-    """The merge kernel's work for this program's row tile, done by the programs that wrote it.
-
-    The num_splits programs of a row tile (one per split) each announce their partials on the
-    tile's counter, wait until all have, then merge every ROWS-row block from `split` on over
-    the PARTS = num_splits + 1 partials (the own keys' last) and write o. No program can wait
-    on one that has not started: the launch is cooperative, so every program is resident.
-    The last program to finish sets the counter back to 0 for the next launch (a CUDA graph
-    replays the same buffer).
-
-    A block is one round of loads: every partial's lse and o are loaded before any is needed
-    (a fold partial by partial, as merge_partials does, waits an L2 round trip for each:
-    6-19 us a program on the H200), then o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
-    """
-    if PROBE:
-        _stamp(dbg_ptr, 1)
-    # Release after the join: every partition's partial stores happen before the count rises.
-    gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    if PROBE:
-        _stamp(dbg_ptr, 2)
-    seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    while seen < num_splits:
-        seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    if PROBE:
-        _stamp(dbg_ptr, 3)
-    layout: gl.constexpr = gl.BlockedLayout([1, D // 32], [1, 32], [4, 1], [1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, layout)
-    offs_d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, layout)), 0)
-    for blk in range(split, 128 // ROWS, num_splits):
-        r = row0 + blk * ROWS + gl.arange(0, ROWS, layout=row_l)
-        n = r // G
-        head = h * G + r % G
-        rmask = n < n_queries
-        o_off = gl.expand_dims(n * stride_on + head * stride_oh, 1) + offs_d
-        lse_off = n * stride_ln + head
-        o_parts = ()
-        lse_parts = ()
-        for s in gl.static_range(PARTS):
-            lse_parts = lse_parts + (gl.load(lse_ptr + s * stride_ls + lse_off, mask=rmask, other=float("-inf")),)
-            o_parts = o_parts + (gl.load(o_ptr + s * stride_os + o_off, mask=gl.expand_dims(rmask, 1), other=0.0),)
-        m = lse_parts[0]
-        for s in gl.static_range(1, PARTS):
-            m = gl.maximum(m, lse_parts[s])
-        m = gl.where(m == float("-inf"), 0.0, m)  # no keys in any partial: o = 0
-        acc = gl.zeros([ROWS, D], gl.float32, layout)
-        den = gl.zeros([ROWS], gl.float32, row_l)
-        for s in gl.static_range(PARTS):
-            w = gl.exp(lse_parts[s] - m)
-            w2 = gl.expand_dims(w, 1)
-            acc += gl.where(w2 > 0, o_parts[s] * w2, 0.0)  # a partial without keys may hold anything
-            den += w
-        safe = gl.where(den == 0.0, 1.0, den)
-        out_off = gl.expand_dims(n * stride_outn + head * stride_outh, 1) + offs_d
-        gl.store(out_ptr + out_off, (acc / gl.expand_dims(safe, 1)).to(out_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(rmask, 1))
-    if PROBE:
-        _stamp(dbg_ptr, 4)
-    # Every program increments once more after its wait: the one that sees 2 * num_splits - 1
-    # is the last, and no program still reads the counter.
-    done = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
-    if done == 2 * num_splits - 1:
-        gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-
-
 @gluon.jit(do_not_specialize=["n_queries", "keys_per_split", "num_splits"])
 def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_ptr, o_ptr, lse_ptr,
-                  out_ptr, cnt_ptr, n_queries, seq_len, keys_per_split, num_splits, qk_scale, stride_bt,
+                  n_queries, seq_len, keys_per_split, num_splits, qk_scale, stride_bt,
                   stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                  stride_outn, stride_outh,
                   HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
-                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr,
-                  MERGE: gl.constexpr, ROWS: gl.constexpr, PARTS: gl.constexpr, dbg_ptr, PROBE: gl.constexpr):
+                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr):
     """grid (cdiv(n*G, 128), Hkv, num_splits); 4 warps (the first prefix consumer) + a second
-    prefix consumer, the own-key warpgroup and two TMA warps. MERGE: the programs of a row tile
-    then merge its partials into out (_merge_group; a cooperative launch)."""
-    if PROBE:
-        _stamp(dbg_ptr, 0)
+    prefix consumer, the own-key warpgroup and two TMA warps."""
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
@@ -199,77 +118,27 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
         (_ctx_producer, (kc_desc, vc_desc, q_desc, cr, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
                          req_lo, h, split, num_splits, req_hi, HQ, G, D, C, CTX_TILES, CTX_MODE)),
     ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])  # 24: WS_PRODUCER_REGS, the TMA warps'
-    if PROBE:
-        _stamp(dbg_ptr, 6)
-    if MERGE:  # the default partition's 4 warps, after every partition has joined; the program
-        # ids again, not values held across the partitions (their registers are spoken for)
-        pid_m = gl.program_id(0)
-        h = gl.program_id(1)
-        split = gl.program_id(2)
-        _merge_group(o_ptr, lse_ptr, out_ptr, cnt_ptr + pid_m * gl.num_programs(1) + h, pid_m * 128, h, split,
-                     num_splits,
-                     n_queries, stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_outn, stride_outh,
-                     G, D, ROWS, PARTS, dbg_ptr, PROBE)
-    if PROBE:
-        _stamp(dbg_ptr, 5)  # the end, with or without the merge
 
 
 def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                       num_splits: int, merge_unroll: int | None = None, in_kernel_merge: bool = False,
-                       counters: torch.Tensor | None = None, **tile):
+                       num_splits: int, merge_unroll: int | None = None, **tile):
     """One decode step of relay attention, every request behind the one prefix: the fused
-    kernel's partials (fused_relay_partials, whose arguments these are), merged.
+    kernel's partials (fused_relay_partials, whose arguments these are), then merge_partials.
 
     Returns o [N, Hq, D] in q's dtype, and the launched kernel.
-    in_kernel_merge: the fused kernel's programs merge the partials themselves
-    (in_kernel_merge_ok must hold), with no merge kernel; else merge_partials does.
-    counters: int32, one per row tile and KV head at least, zero, left zero (a decode graph's
-    own; None: allocated here). merge_unroll: merge_partials' partials in flight at once (the
-    same bits for any).
+    merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
     """
-    if not in_kernel_merge:
-        o_part, lse_part, kernel = fused_relay_partials(q, k_sys, v_sys, k_cache, v_cache, block_tables,
-                                                        context_lens, scale, num_splits, **tile)
-        return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll)[0], kernel
-    n, hq, _ = q.shape
-    assert in_kernel_merge_ok(n, hq, k_sys.shape[1], num_splits, q.device), \
-        "in-kernel merge: needs 128 % (Hq / Hkv) == 0 and every program resident at once"
-    groups = triton.cdiv(n * (hq // k_sys.shape[1]), 128) * k_sys.shape[1]
-    if counters is None:
-        counters = torch.zeros(groups, dtype=torch.int32, device=q.device)
-    assert counters.dtype == torch.int32 and counters.numel() >= groups and counters.is_contiguous(), \
-        f"counters: int32, contiguous, at least {groups}"
-    out = torch.empty_like(q)
-    _, _, kernel = _launch(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                           out=out, counters=counters, **tile)
-    return out, kernel
-
-
-def in_kernel_merge_ok(num_seqs: int, num_heads: int, num_kv_heads: int, num_splits: int,
-                       device: torch.device) -> bool:
-    """Whether the fused kernel can merge its own partials: a request's rows in one row tile
-    (128 % G == 0, so its own-key partial comes from a program of that tile) and at most one
-    program an SM (the cooperative launch needs every program resident at once; the kernel
-    takes an SM's registers)."""
-    g = num_heads // num_kv_heads
-    programs = triton.cdiv(num_seqs * g, 128) * num_kv_heads * num_splits
-    return 128 % g == 0 and programs <= num_sms(device)
-
-
-def merge_block_rows(num_splits: int, head_dim: int) -> int:
-    """Rows of one block of the in-kernel merge: the row tile's share of each of its num_splits
-    programs (one round of loads each), as far as the num_splits + 1 partials' values stay at
-    96 registers a thread or fewer (4 warps, so [rows, D] fp32 is rows * D / 128 a thread)."""
-    rows = triton.next_power_of_2(triton.cdiv(128, num_splits))
-    while rows > 4 and (num_splits + 1) * rows * head_dim > 96 * 128:
-        rows //= 2
-    return rows
+    o_part, lse_part, kernel = fused_relay_partials(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens,
+                                                    scale, num_splits, **tile)
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll)[0], kernel
 
 
 def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         num_splits: int, **tile):
+                         num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
+                         launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
+                         ctx_mode: int = 0, q_smem: bool = False):
     """The fused kernel alone: the partials of one decode step, unmerged.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
@@ -277,18 +146,7 @@ def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tens
     context_lens [N] int32 (own keys; 0 for a padding row of a decode graph, whose own
     partial is then empty and whose table's first block is still read). Returns the fp32
     partials o [num_splits + 1, N, Hq, D] and lse [num_splits + 1, N, Hq] (the own keys' last),
-    and the launched kernel. tile: _launch's knobs.
-    """
-    return _launch(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens, scale, num_splits, **tile)
-
-
-def _launch(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-            block_n: int = 64, stages: int = 3, ctx_tiles: int = 4, launch_regs: int = LAUNCH_REGS,
-            sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS, ctx_mode: int = 0, q_smem: bool = False,
-            out: torch.Tensor | None = None, counters: torch.Tensor | None = None, merge_rows: int | None = None,
-            cooperative: bool | None = None, dbg: torch.Tensor | None = None):
-    """The fused kernel's launch; out and counters given: the in-kernel merge writes out.
-
+    and the launched kernel.
     ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
     ctx_tiles: slots of the own-key ring, a [64, D] K or V tile each (2 or more).
     q_smem: the prefix consumers hold Q in shared memory, not registers (for block_n 128).
@@ -303,10 +161,6 @@ def _launch(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens, scale
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
     assert block_n in (64, 128) and stages >= 1 and ctx_tiles >= 2, "tiles and ring depths"
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
-    merge = out is not None
-    assert merge == (counters is not None), "out and counters together"
-    rows = merge_block_rows(num_splits, d) if merge_rows is None else merge_rows
-    assert rows >= 4 and rows & (rows - 1) == 0 and 128 % rows == 0, f"merge_rows {rows}: a power of two, 4-128"
     assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * launch_regs, \
         "the partitions' registers exceed the launch's"
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -325,12 +179,10 @@ def _launch(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens, scale
     grid = (triton.cdiv(n * g, 128), hkv, num_splits)
     kernel = _fused_kernel[grid](
         q, k_desc, v_desc, kc_desc, vc_desc, q_desc, context_lens, block_tables, o_part, lse_part,
-        out if merge else o_part, counters if merge else context_lens, n, s_len, per, num_splits, scale * LOG2E, block_tables.stride(0),
+        n, s_len, per, num_splits, scale * LOG2E, block_tables.stride(0),
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0) if merge else 0, out.stride(1) if merge else 0,
+        lse_part.stride(0), lse_part.stride(1),
         HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_TILES=ctx_tiles,
-        Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, MERGE=merge,
-        ROWS=rows if merge else 4, PARTS=num_splits + 1 if merge else 1, dbg_ptr=dbg if dbg is not None else context_lens, PROBE=dbg is not None,
-        num_warps=4, maxnreg=launch_regs,
-        launch_cooperative_grid=merge if cooperative is None else cooperative)
+        Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, num_warps=4,
+        maxnreg=launch_regs)
     return o_part, lse_part, kernel

@@ -178,25 +178,6 @@ def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, o
     o_p, l_p, _ = parts()
     base = merge_partials(o_p, l_p, q.dtype, with_lse=False)[0]
     dk.check(f"{case} merge probe default", base, want)
-    counters = torch.zeros(256, dtype=torch.int32, device=dev)
-    from kernels.gluon_fused_relay import _launch, merge_block_rows
-    args = (q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, scale, splits)
-    default_rows = merge_block_rows(splits, d)
-    for rows in (default_rows, default_rows // 2, default_rows * 2):  # the programs merge their own partials
-        if rows < 4 or rows > 128:
-            continue
-        out_t = torch.empty_like(q)
-        fn = lambda: _launch(*args, out=out_t, counters=counters, merge_rows=rows, **tile)  # noqa: E731
-        kernel = fn()[2]
-        torch.cuda.synchronize()
-        diff = (out_t.float() - base.float()).abs().max().item()
-        same = torch.allclose(out_t.float(), base.float(), rtol=2 ** -7, atol=1e-6) and not counters.any()
-        dk.checks.append(dict(name=f"{case} in-kernel merge rows={rows} vs merge kernel", rel_err=diff, ok=same))
-        print(f"check {case} in-kernel merge rows={rows}: max diff {diff:.3g} vs the merge kernel "
-              f"{'ok' if same else 'FAIL'}", flush=True)
-        dk.check(f"{case} in-kernel merge rows={rows}", out_t, want)
-        record("step, in-kernel merge", dk.bench_us(fn), rows=rows, n_spills=getattr(kernel, "n_spills", None))
-        assert not counters.any(), "counters left non-zero"
     for block_h in (None, 16, 8, 4, 2):  # None: triton_plan.merge_block_h's choice
         for warps in (4, 2):
             for unroll in (None, splits + 1):

@@ -21,7 +21,7 @@ from relaycli.bench.timing import replayed  # noqa: E402
 if not is_sm90(torch.device("cuda")):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from kernels.gluon_fused_relay import fused_relay_decode, in_kernel_merge_ok  # noqa: E402
+from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
 
 
 def _step(hq, hkv, d, lens, prefix, dtype):
@@ -76,49 +76,6 @@ def test_fused_relay_ring_depths_and_register_splits():
     for kw in (dict(ctx_tiles=2), dict(ctx_tiles=3), dict(FUSED_WIDE_TILE, ctx_tiles=2),
                dict(sys_regs=184, ctx_regs=120)):
         _check(q, kc, vc, pre, meta, 4, spill_free=False, **kw)
-
-
-@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 32, 128), (16, 2, 64)])
-def test_in_kernel_merge_matches_the_merge_kernel(heads):
-    # the programs of a row tile merging their own partials (cooperative launch, a counter a
-    # tile) write merge_partials' result within fp32 rounding (one weighted sum against its
-    # fold partial by partial), the same bits launch after launch, at batches that end inside a
-    # tile, with padding rows, on the same counters (left zero each time), eager and graphed
-    hq, hkv, d = heads
-    rng = random.Random()
-    for batch in (3, 37, 64, 256):
-        lens = [rng.choice([1, 64, 65, rng.randint(1, 300)]) for _ in range(batch)]
-        q, kc, vc, pre, meta = _step(hq, hkv, d, lens, 2048, torch.bfloat16)
-        meta.context_lens[rng.sample(range(batch), batch // 4)] = 0
-        k_sys, v_sys = pre[0]
-        args = (q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, d ** -0.5)
-        counters = torch.zeros(64, dtype=torch.int32, device="cuda")
-        for splits in (1, 2, 4, 8):
-            if not in_kernel_merge_ok(batch, hq, hkv, splits, q.device):
-                continue
-            for tile in ({}, FUSED_WIDE_TILE):
-                want, _ = fused_relay_decode(*args, splits, **tile)
-                first, _ = fused_relay_decode(*args, splits, in_kernel_merge=True, counters=counters, **tile)
-                torch.testing.assert_close(first.float(), want.float(), rtol=2 ** -7, atol=1e-6)
-                assert not counters.any()
-                again, _ = fused_relay_decode(*args, splits, in_kernel_merge=True, counters=counters, **tile)
-                assert torch.equal(again, first) and not counters.any(), (heads, batch, splits, tile)
-                graphed = replayed(lambda: fused_relay_decode(*args, splits, in_kernel_merge=True,  # noqa: B023
-                                                              counters=counters, **tile)[0])  # noqa: B023
-                assert torch.equal(graphed, first) and not counters.any(), (heads, batch, splits, tile)
-
-
-def test_in_kernel_merge_only_where_it_is_safe():
-    # a request's rows straddle two row tiles at G = 7 (its own-key partial is another tile's);
-    # more programs than SMs could wait on programs that never start
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert not in_kernel_merge_ok(64, 28, 4, 1, dev)
-    assert in_kernel_merge_ok(64, 32, 8, sms // 16, dev)
-    assert not in_kernel_merge_ok(64, 32, 8, sms // 16 + 1, dev)
-    q, kc, vc, pre, meta = _step(28, 4, 128, [10] * 40, 256, torch.bfloat16)
-    with pytest.raises(AssertionError, match="in-kernel merge"):
-        fused_relay_decode(q, *pre[0], kc, vc, meta.block_tables, meta.context_lens, 1.0, 1, in_kernel_merge=True)
 
 
 def test_fused_relay_refuses_what_it_cannot_read():
