@@ -113,16 +113,18 @@ def merge_unroll(programs: int, device: torch.device) -> int:
 def merge_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.device) -> int:
     """Heads a merge program takes (a power of two): all of a row's, up to 2,048 values, as
     long as the grid, rows x head blocks, keeps 3 or more programs an SM; fewer where it
-    would not. A small grid of large programs leaves each SM one program that waits an L2
-    round trip per split; more, smaller programs keep more loads in flight (the same bits
-    for any block: each value's fold is the same). H200, graph-replayed fused relay steps
-    (docs/kernels.md, twenty-fifth session): at llama3-8b batch 64, 4 heads a program
-    (512 programs) against 16 (128) took the step from 33.4-34.5 to 31.6-32.0 us, and
-    llama2-7b batch 64 from 78.7-79.5 to 76.4-76.6; at batch 128, 8 heads 43.6 against
-    44.2-45.4; at batch 256, 16 heads (512 programs) stays, 72.7-72.9 (4 heads: 73.4-73.8).
+    would not, down to 2 (the fewest measured). A small grid of large programs leaves each
+    SM one program that waits an L2 round trip per split; more, smaller programs keep more
+    loads in flight (the same bits for any block: each value's fold is the same). H200,
+    graph-replayed fused relay steps, llama3-8b heads (docs/kernels.md, twenty-fifth
+    session), this rule's block against 16 heads: batch 8 (2 heads) 23.9 against 28.5 us,
+    16 (2) 25.5 against 30.0, 32 (2) 28.6 against 32.4, 64 (4; 2 was 1.3 us slower) 31.6-32.0
+    against 33.4-35.2, 128 (8) 43.6-44.0 against 44.2-45.8; at 256, 16 heads stay (4:
+    73.4-73.8 against 72.4-72.9). llama2-7b batch 16 and 64: 51.5-52.2 against 53.6, and
+    77.9 against 80.4.
     """
     block_h = min(1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
-    while block_h > 4 and num_rows * -(-num_heads // block_h) < 3 * num_sms(device):
+    while block_h > 2 and num_rows * -(-num_heads // block_h) < 3 * num_sms(device):
         block_h //= 2
     return block_h
 

@@ -701,10 +701,10 @@ def test_merge_block_h_splits_heads_only_while_the_grid_is_small(monkeypatch):
     monkeypatch.setattr(plan, "num_sms", lambda device: 132)  # an H200's
     dev = torch.device("cpu")
     # llama3-8b's 32 heads of 128: a row's 32 heads are 4,096 values, so 16 at most a program;
-    # fewer until the grid has 3 programs an SM (396), never fewer than 4
-    assert [plan.merge_block_h(n, 32, 128, dev) for n in (1, 64, 128, 256, 4096)] == [4, 4, 8, 16, 16]
+    # fewer until the grid has 3 programs an SM (396), never fewer than 2
+    assert [plan.merge_block_h(n, 32, 128, dev) for n in (1, 16, 32, 64, 128, 256, 4096)] == [2, 2, 2, 4, 8, 16, 16]
     assert plan.merge_block_h(256, 32, 64, dev) == 16 and plan.merge_block_h(64, 32, 64, dev) == 4
-    assert plan.merge_block_h(512, 9, 64, dev) == 16 and plan.merge_block_h(64, 2, 128, dev) == 2
+    assert plan.merge_block_h(512, 9, 64, dev) == 16 and plan.merge_block_h(8, 1, 128, dev) == 1
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
