@@ -99,13 +99,14 @@ def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> d
 def merge_unroll(programs: int, device: torch.device) -> int:
     """Splits the merge kernel loads at once (the bits are the same for any count).
 
-    programs: the merge grid's, rows x head blocks (llama3-8b: two a row, so batch <= 132
-    on an H200 counts as small). A grid that leaves most multiprocessors idle (a job's
-    tail) waits a memory latency per split unless several are in flight; a full one
-    hides that latency behind its other programs. H200, whole llama3 jobs: 4 at once saved about 0.04 ms a step at batch
-    1-16; at batch >= 64 one at a time was 1.5 points of the floor ahead in one call and
-    0.4 behind in the next (docs/benchmarks.md, tenth session), so full grids keep the
-    smaller kernel.
+    programs: the merge grid's, rows x head blocks (merge_block_h's; llama3-8b on an H200
+    below batch 64: 16 a row, so batch <= 16 counts as small). A grid that leaves
+    most multiprocessors idle (a job's tail) waits a memory latency per split unless
+    several are in flight; a full one hides that latency behind its other programs. H200,
+    whole llama3 jobs, with two heads blocks a row then (tenth session, before
+    merge_block_h): 4 at once saved about 0.04 ms a step at batch 1-16; at batch >= 64 one
+    at a time was 1.5 points of the floor ahead in one call and 0.4 behind in the next
+    (docs/benchmarks.md), so full grids keep the smaller kernel.
     """
     return 4 if programs <= 2 * num_sms(device) else 1
 
