@@ -85,21 +85,30 @@ def checks_only(name: str, dev, prefix: int, variants) -> None:
                 dk.check(f"{name} fused {variant} ragged B={batch} splits={splits}", got, want)
 
 
+def step_floor_us(name: str, batch: int, prefix: int, own: int, ceil: dict) -> float:
+    """The decode step's floor: the prefix, own K/V and q read once, or its matrix work."""
+    hq, hkv, d = dk.HEADS[name]
+    byts = 2 * prefix * hkv * d * 2 + 2 * batch * hq * d * 2 + 2 * batch * own * hkv * d * 2
+    flops = 4 * batch * hq * (prefix + own) * d
+    return max(byts / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e6
+
+
+def recorder(case: str, floor: float, out: list):
+    """record(kind, time_us, **extra): a row against floor, appended to out and printed."""
+    def record(kind, t_us, **extra):
+        row = dict(case=case, kind=kind, time_us=t_us, floor_us=floor, pct_floor=100 * floor / t_us, **extra)
+        out.append(row)
+        print(f"{case:26s} {kind:26s} {t_us:8.1f} us {row['pct_floor']:5.1f}%  "
+              + " ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
+    return record
+
+
 def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list, variants) -> None:
     hq, hkv, d = dk.HEADS[name]
     scale = d ** -0.5
     case = f"{name} B={batch} S={prefix}+{own}"
     group = hq // hkv
-    sys_bytes = 2 * prefix * hkv * d * 2 + 2 * batch * hq * d * 2
-    own_bytes = 2 * batch * own * hkv * d * 2
-    flops_all = 4 * batch * hq * (prefix + own) * d
-    floor = max((sys_bytes + own_bytes) / ceil["copy_bytes_per_s"], flops_all / ceil["bf16_flops_per_s"]) * 1e6
-
-    def record(kind, t_us, **extra):
-        row = dict(case=case, kind=kind, time_us=t_us, floor_us=floor, pct_floor=100 * floor / t_us, **extra)
-        out.append(row)
-        print(f"{case:26s} {kind:22s} {t_us:8.1f} us {row['pct_floor']:5.1f}%  "
-              + " ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
+    record = recorder(case, step_floor_us(name, batch, prefix, own, ceil), out)
 
     for page in (16, 64):
         q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev, page=page)
@@ -155,9 +164,7 @@ def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, o
     hq, hkv, d = dk.HEADS[name]
     scale = d ** -0.5
     case = f"{name} B={batch} S={prefix}+{own}"
-    flops_all = 4 * batch * hq * (prefix + own) * d
-    byts = 2 * prefix * hkv * d * 2 + 2 * batch * hq * d * 2 + 2 * batch * own * hkv * d * 2
-    floor = max(byts / ceil["copy_bytes_per_s"], flops_all / ceil["bf16_flops_per_s"]) * 1e6
+    record = recorder(case, step_floor_us(name, batch, prefix, own, ceil), out)
     q, kc, vc, pre, meta = dk.build(hq, hkv, d, batch, prefix, own, dev, page=64)
     k_sys, v_sys = pre[0]
     want = ref.relay_attention(q.float(), kc.float(), vc.float(), meta, [(k_sys.float(), v_sys.float())], scale)
@@ -166,12 +173,6 @@ def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, o
     parts = functools.partial(fused_relay_partials, q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens,
                               scale, splits, **tile)
     one = torch.zeros(1, device=dev)
-
-    def record(kind, t_us, **extra):
-        row = dict(case=case, kind=kind, time_us=t_us, floor_us=floor, pct_floor=100 * floor / t_us, **extra)
-        out.append(row)
-        print(f"{case:26s} {kind:26s} {t_us:8.1f} us {row['pct_floor']:5.1f}%  "
-              + " ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
 
     record("partials alone", dk.bench_us(parts), splits=splits)
     record("partials + empty launch", dk.bench_us(lambda: (parts(), one.zero_())), splits=splits)
