@@ -122,16 +122,22 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
 
 def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                       num_splits: int, merge_unroll: int | None = None, **tile):
+                       num_splits: int, merge_unroll: int | None = None, pdl_merge: bool = True, **tile):
     """One decode step of relay attention, every request behind the one prefix: the fused
     kernel's partials (fused_relay_partials, whose arguments these are), then merge_partials.
 
     Returns o [N, Hq, D] in q's dtype, and the launched kernel.
     merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
+    pdl_merge: the merge launched as a programmatic dependent of the fused kernel, which
+    does not trigger it, so its programs are placed as the fused kernel's last ones leave
+    (merge_partials' pdl; the same bits). H200, graph-replayed (docs/kernels.md, twenty-sixth
+    session): 0.2-0.4 us a step faster at five shapes (llama3-8b B=64 32.0 against 32.2 us).
+    The twenty-fourth session's early trigger, which let the merge's programs take SM slots
+    while the fused kernel's were still being placed, was 3-9 us slower.
     """
     o_part, lse_part, kernel = fused_relay_partials(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens,
                                                     scale, num_splits, **tile)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll)[0], kernel
+    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll, pdl=pdl_merge)[0], kernel
 
 
 def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,

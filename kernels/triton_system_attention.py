@@ -16,9 +16,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.pdl import launch_options, pdl_supported
 from kernels.triton_plan import DECODE_TILE, merge_block_h, merge_unroll, split_plan, system_config, tma_ok
 
 LOG2E = 1.4426950408889634
@@ -191,12 +192,16 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
 def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
                   stride_ps, stride_pn, stride_ph, stride_qs, stride_qn,
                   stride_on, stride_oh, stride_ln,
-                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr):
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr,
+                  WAIT: tl.constexpr):
     """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads.
 
     A decode step has few rows, so few programs, each walking the splits in turn: UNROLL
-    of them are loaded at once (_merge_splits).
+    of them are loaded at once (_merge_splits). WAIT: launched as a programmatic dependent
+    of the kernel that wrote the partials, so wait for it before any load.
     """
+    if WAIT:
+        gdc_wait()
     n = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
@@ -295,12 +300,16 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,
                    with_lse: bool = True, unroll: int | None = None, block_h: int | None = None,
-                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   num_warps: int = 4, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32.
 
     unroll: splits whose loads are in flight together (the same bits for any value);
     None: triton_plan.merge_unroll's choice for the grid. block_h: heads a program (a power
-    of two; None: triton_plan.merge_block_h's choice); num_warps: the program's warps."""
+    of two; None: triton_plan.merge_block_h's choice); num_warps: the program's warps.
+    pdl: launched as a programmatic dependent of the kernel before it on the stream (sm_90,
+    kernels.pdl), its programs placed as that kernel's last ones leave and waiting for it in
+    griddepcontrol.wait before any load (the same bits)."""
+    assert not pdl or pdl_supported(o_part.device), "pdl needs an sm_90 or newer CUDA device"
     assert unroll is None or unroll >= 1, f"unroll must be at least 1, got {unroll}"
     assert block_h is None or (block_h >= 1 and block_h & (block_h - 1) == 0), f"block_h {block_h}: a power of two"
     splits, n, heads, d = o_part.shape
@@ -317,7 +326,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
         o_part, lse_part, o, lse if with_lse else o, splits, heads,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,
-        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, UNROLL=unroll, num_warps=num_warps)
+        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, UNROLL=unroll, WAIT=pdl, num_warps=num_warps,
+        **launch_options(pdl))
     return o, lse
 
 

@@ -5,7 +5,9 @@ tile that kernels/triton_context_attention.py's `paged_config` picks: `default`,
 same tile with more pipeline stages and/or `bt_ahead` (block ids read one iteration
 early, after which 3 stages double-buffer K/V; scripts/compile_report.py); `merge1` and
 `merge4` merge the relay partials one or four splits at a time (the default picks by the
-grid: triton_plan.merge_unroll); `small-*` change only the tiles of grids small enough
+grid: triton_plan.merge_unroll), in every step, the fused ones included; `merge-rows` gives each
+merge program all of a row's heads up to 2,048 values at any grid, as before the
+twenty-fifth session (the default: triton_plan.merge_block_h, fewer where the grid is small); `small-*` change only the tiles of grids small enough
 for paged_config to read block ids ahead; `bt3-32` reads ahead on every 32-key tile; `a+b`
 combines two variants' changes; `no-maxnreg` drops the 32-key tile's register cap;
 `short-N` gives decode key ranges up to N that tile; `context-first` and
@@ -66,7 +68,7 @@ from relaycli.engine.engine import Engine  # noqa: E402
 # the merge of relay's partials
 VARIANTS = {"default": {}, "bt3": dict(num_stages=3, bt_ahead=True), "bt4": dict(num_stages=4, bt_ahead=True),
             "s5": dict(num_stages=5), "bt2": dict(bt_ahead=True), "merge1": dict(merge_unroll=1),
-            "merge4": dict(merge_unroll=4), "s2": dict(num_stages=2, bt_ahead=False),
+            "merge4": dict(merge_unroll=4), "merge-rows": dict(merge_rows=True), "s2": dict(num_stages=2, bt_ahead=False),
             # only the tiles paged_config gives small grids (those that read block ids ahead)
             # (per_sm: the programs that fit an SM, which the split plan counts on)
             "small-s4": dict(small_only=True, num_stages=4, per_sm=2),
@@ -128,6 +130,7 @@ def variant(change: dict):
     """paged_config and relay's merge as the variant has them, for the duration of a run."""
     change = dict(change)
     unroll = change.pop("merge_unroll", None)
+    merge_rows = change.pop("merge_rows", False)
     small_only = change.pop("small_only", False)
     block_n_only = change.pop("block_n_only", None)
     prefill_serial = change.pop("prefill_serial", False)
@@ -147,8 +150,8 @@ def variant(change: dict):
     fused_plan = triton_ops.fused_decode_plan
     graph_plan = cuda_graph.DecodeGraphs._plan
     plan = triton_ops.plan_system
-    config, merge, step, relay = tca.paged_config, triton_ops.merge_partials, Engine._step, \
-        triton_ops.relay_attention_with
+    config, step, relay = tca.paged_config, Engine._step, triton_ops.relay_attention_with
+    merge_unroll, merge_block_h = tsa.merge_unroll, tsa.merge_block_h  # merge_partials looks both up there
     sys_config = triton_plan.system_config
 
     def system_tile(rows, head_dim, device, elem=2, kv_heads=1):
@@ -183,7 +186,10 @@ def variant(change: dict):
     if no_fused:  # both of triton_ops' callers (the graph key's plan, the step) look it up there
         triton_ops.fused_decode_plan = lambda *args: None
     if unroll is not None:
-        triton_ops.merge_partials = functools.partial(merge, unroll=unroll)
+        tsa.merge_unroll = lambda programs, device: unroll
+    if merge_rows:
+        tsa.merge_block_h = lambda num_rows, num_heads, head_dim, device: min(
+            1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
     if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
         triton_ops.relay_attention_with = functools.partial(relay, **relay_kwargs)
     ops_for = model_runner.layer_ops
@@ -201,7 +207,8 @@ def variant(change: dict):
     try:
         yield
     finally:
-        tca.paged_config, triton_ops.merge_partials, Engine._step = config, merge, step
+        tca.paged_config, Engine._step = config, step
+        tsa.merge_unroll, tsa.merge_block_h = merge_unroll, merge_block_h
         triton_ops.relay_attention_with = relay
         triton_ops.system_config = tsa.system_config = sys_config
         model_runner.layer_ops = ops_for

@@ -67,7 +67,11 @@
 # that cap, since replaced by dealing the rows and the ratio: fused-deal).
 # fused-deal (at most 4.2 minutes): ShareGPT-like jobs with the fused step's rows dealt evenly
 # over its programs and the cap replaced by the plan's ratio, against no-deal and no-fused.
-# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|fused-engine|fused-jobs|fused-short|fused-deal|l2|bench-kernels|tests-kernels|tests-ops ...]
+# merge-jobs (at most 9.5 minutes, twenty-sixth session): whole llama3 jobs at S = 8,192 with the
+# merge blocks of triton_plan.merge_block_h (default) against a row's heads in every merge program
+# (merge-rows, the rule before the twenty-fifth session): ShareGPT-like requests at a batch limit
+# of 256, then fixed-128-64 requests at a batch limit of 64 (where the blocks differ most).
+# Usage: bash scripts/device_check.sh [tests|kernels|prefill|e2e|l2-2048|l2-8192|l3|pipeline|steps-ab|pdl|pdl-ops|ws|ws-ab|ws-plan|ws-jobs|ws-bucket|short-ab|priced|priced-jobs|priced-final|ctx-bytes|l2-512|flush|ws-regs|fused|fused-engine|fused-jobs|fused-short|fused-deal|merge-jobs|l2|bench-kernels|tests-kernels|tests-ops ...]
 #        (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -223,6 +227,12 @@ for part in "${parts[@]}"; do
       # without the fused step (no-fused)
       OUT="$OUT/fused_deal_sharegpt" timeout 250 python3 scripts/device_ab_context.py --system 8192 --repeats 1 \
         --variants default,no-deal,no-fused 2>&1 | tee "$OUT/fused_deal.log" | grep -E "^(run|median)" ;;
+    merge-jobs)  # whole llama3 jobs, merge blocks by triton_plan.merge_block_h against a row's heads
+      OUT="$OUT/merge_jobs_sharegpt" timeout 250 python3 scripts/device_ab_context.py --system 8192 --repeats 1 \
+        --variants default,merge-rows 2>&1 | tee "$OUT/merge_jobs_sharegpt.log" | grep -E "^(run|median)"
+      OUT="$OUT/merge_jobs_b64" timeout 310 python3 scripts/device_ab_context.py --system 8192 --repeats 2 \
+        --workload fixed-128-64 --requests 500 --max-batch 64 --variants default,merge-rows 2>&1 \
+        | tee "$OUT/merge_jobs_b64.log" | grep -E "^(run|median)" ;;
     l2)  # the L2's read bandwidth, and what a llama3 step's kernels ask of it (twenty-first session)
       timeout 200 python3 scripts/device_l2_probe.py 2>&1 | tee "$OUT/l2_probe.log" | tail -14
       timeout 380 bash scripts/device_ncu.sh l2 2>&1 | tail -60 ;;

@@ -156,11 +156,13 @@ def run_shape(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out
                                 error=f"{type(exc).__name__}: {str(exc)[:400]}"))
 
 
-def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list) -> None:
+def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, out: list,
+                pdl_only: bool = False) -> None:
     """Where the merge's share of the step goes: the engine tile's fused kernel alone, with a
     one-element fill after it (a second launch that does no work), and with the merge at
     each (heads a program, warps, partials in flight), in the step and alone; every merge's
-    bits against the default's."""
+    bits against the default's; the step with the merge a programmatic dependent (pdl_only:
+    these rows alone)."""
     hq, hkv, d = dk.HEADS[name]
     scale = d ** -0.5
     case = f"{name} B={batch} S={prefix}+{own}"
@@ -179,6 +181,18 @@ def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, o
     o_p, l_p, _ = parts()
     base = merge_partials(o_p, l_p, q.dtype, with_lse=False)[0]
     dk.check(f"{case} merge probe default", base, want)
+    # the merge as a programmatic dependent that the fused kernel never triggers: placed as the
+    # fused kernel's last programs leave, not after the kernel boundary (the twenty-fourth
+    # session's early trigger let its programs take slots first, and was slower)
+    pdl_step = functools.partial(fused_relay_decode, q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens,
+                                 scale, splits, pdl_merge=True, **tile)
+    if not torch.equal(replayed(lambda: pdl_step()[0]), base):
+        dk.checks.append(dict(name=f"{case} pdl merge bits", rel_err=None, ok=False))
+        print(f"check {case} pdl merge: bits differ from the default merge's FAIL", flush=True)
+    record("step, merge", dk.bench_us(lambda: merge_partials(*parts()[:2], q.dtype, with_lse=False)[0]), pdl=False)
+    record("step, pdl merge", dk.bench_us(pdl_step), pdl=True)
+    if pdl_only:
+        return
     for block_h in (None, 16, 8, 4, 2):  # None: triton_plan.merge_block_h's choice
         for warps in (4, 2):
             for unroll in (None, splits + 1):
@@ -204,6 +218,7 @@ def main() -> None:
     ap.add_argument("--tag", default="fused_relay")
     ap.add_argument("--smoke", action="store_true", help="one small fused step against the reference, then exit")
     ap.add_argument("--merge-probe", action="store_true", help="the merge's share of the step, by merge config")
+    ap.add_argument("--pdl-only", action="store_true", help="with --merge-probe: the PDL merge rows alone")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.smoke:  # run under a timeout first: a kernel whose barriers deadlock hangs the GPU
@@ -233,7 +248,7 @@ def main() -> None:
     if args.merge_probe:
         for shape in args.shapes:
             name, batch = shape.split(":")
-            merge_probe(name, int(batch), args.prefix, args.own, ceil, dev, rows)
+            merge_probe(name, int(batch), args.prefix, args.own, ceil, dev, rows, args.pdl_only)
             dk.save_rows(out_dir / f"{args.tag}.json", ceil, rows)
         dk.report_checks()
         return

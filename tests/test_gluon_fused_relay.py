@@ -78,6 +78,29 @@ def test_fused_relay_ring_depths_and_register_splits():
         _check(q, kc, vc, pre, meta, 4, spill_free=False, **kw)
 
 
+def test_pdl_merge_gives_the_plain_merges_bits():
+    # the merge as a programmatic dependent of the fused kernel (the default) waits for it
+    # before any load: the same bits as the merge launched after it, eagerly and replayed in
+    # a graph, step after step (a merge that read partials early would differ somewhere)
+    rng = random.Random()
+    for batch, prefix in ((1, 1000), (64, 8192), (256, 8192)):
+        lens = [rng.randint(1, 300) for _ in range(batch)]
+        q, kc, vc, pre, meta = _step(32, 8, 128, lens, prefix, torch.bfloat16)
+        k_sys, v_sys = pre[0]
+        args = (q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens, 128 ** -0.5, 8 if batch < 256 else 2)
+        plain = fused_relay_decode(*args, pdl_merge=False)[0]
+        for _ in range(3):
+            assert torch.equal(fused_relay_decode(*args, pdl_merge=True)[0], plain), batch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_relay_decode(*args, pdl_merge=True)[0]
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain), batch
+
+
 def test_fused_relay_refuses_what_it_cannot_read():
     q, kc, vc, pre, meta = _step(32, 8, 128, [10, 20], 256, torch.bfloat16)
     k_sys, v_sys = pre[0]

@@ -28,6 +28,7 @@ for _name in _MODULES:
         importlib.reload(sys.modules[_name])
 
 from kernels import reference as ref  # noqa: E402
+from kernels.pdl import pdl_supported  # noqa: E402
 from kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
 from kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
@@ -249,6 +250,13 @@ def test_merge_partials_weights_each_split_by_its_lse_whatever_the_unroll(splits
     assert torch.equal(lse[0, 0].cpu(), torch.tensor(float("-inf"))) and torch.all(o[0, 0] == 0)
     assert torch.allclose(lse.cpu().double(), want_lse, atol=1e-5, rtol=1e-5)
     assert torch.allclose(o.cpu().double(), want_o, atol=1e-5, rtol=1e-5)
+    # as a programmatic dependent (sm_90): the same bits; elsewhere refused, not run plainly
+    if CUDA and pdl_supported(torch.device(DEVICE)):
+        o_w, lse_w = merge_partials(o_part, lse_part, torch.float32, pdl=True)
+        assert torch.equal(o_w, o) and torch.equal(lse_w, lse)
+    else:
+        with pytest.raises(AssertionError, match="pdl needs"):
+            merge_partials(o_part, lse_part, torch.float32, pdl=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
