@@ -111,6 +111,13 @@ def merge_unroll(programs: int, device: torch.device) -> int:
     return 4 if programs <= 2 * num_sms(device) else 1
 
 
+def merge_row_block_h(num_heads: int, head_dim: int) -> int:
+    """Heads a merge program takes where the grid is large: all of a row's (a power of two
+    at or above num_heads), up to 2,048 values (the rule for every grid before the
+    twenty-fifth session)."""
+    return min(1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
+
+
 def merge_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.device) -> int:
     """Heads a merge program takes (a power of two): all of a row's, up to 2,048 values, as
     long as the grid, rows x head blocks, keeps 3 or more programs an SM; fewer where it
@@ -124,7 +131,7 @@ def merge_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.de
     73.4-73.8 against 72.4-72.9). llama2-7b batch 16 and 64: 51.5-52.2 against 53.6, and
     77.9 against 80.4.
     """
-    block_h = min(1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
+    block_h = merge_row_block_h(num_heads, head_dim)
     while block_h > 2 and num_rows * -(-num_heads // block_h) < 3 * num_sms(device):
         block_h //= 2
     return block_h

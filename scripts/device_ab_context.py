@@ -188,8 +188,8 @@ def variant(change: dict):
     if unroll is not None:
         tsa.merge_unroll = lambda programs, device: unroll
     if merge_rows:
-        tsa.merge_block_h = lambda num_rows, num_heads, head_dim, device: min(
-            1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
+        tsa.merge_block_h = lambda num_rows, num_heads, head_dim, device: triton_plan.merge_row_block_h(
+            num_heads, head_dim)
     if relay_kwargs is not None:  # relay_attention looks relay_attention_with up in its module
         triton_ops.relay_attention_with = functools.partial(relay, **relay_kwargs)
     ops_for = model_runner.layer_ops

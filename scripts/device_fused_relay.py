@@ -45,8 +45,8 @@ from relaycli.bench.timing import replayed  # noqa: E402
 
 
 # BLOCK_N:STAGES:CTX_TILES:CTX_MODE:SYS_REGS:CTX_REGS[:Q_SMEM] (kernels/gluon_fused_relay.py's
-# knobs; Q_SMEM defaults to 0). The twenty-fourth session's PDL_MERGE field (the merge launched
-# as a programmatic dependent, 2.5-10.5 us slower) went with the option.
+# knobs; Q_SMEM defaults to 0). The merge is launched as fused_relay_decode's default has it (a
+# programmatic dependent since the twenty-sixth session; --merge-probe times it both ways).
 VARIANTS = ["64:3:4:0:176:136", "64:3:4:2:176:136", "64:4:4:0:176:136", "64:3:6:0:176:136", "64:3:4:0:184:120"]
 
 
@@ -186,9 +186,7 @@ def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, o
     # session's early trigger let its programs take slots first, and was slower)
     pdl_step = functools.partial(fused_relay_decode, q, k_sys, v_sys, kc, vc, meta.block_tables, meta.context_lens,
                                  scale, splits, pdl_merge=True, **tile)
-    if not torch.equal(replayed(lambda: pdl_step()[0]), base):
-        dk.checks.append(dict(name=f"{case} pdl merge bits", rel_err=None, ok=False))
-        print(f"check {case} pdl merge: bits differ from the default merge's FAIL", flush=True)
+    dk.check_bits(f"{case} pdl merge against the default merge", replayed(lambda: pdl_step()[0]), base)
     record("step, merge", dk.bench_us(lambda: merge_partials(*parts()[:2], q.dtype, with_lse=False)[0]), pdl=False)
     record("step, pdl merge", dk.bench_us(pdl_step), pdl=True)
     if pdl_only:
@@ -197,10 +195,9 @@ def merge_probe(name: str, batch: int, prefix: int, own: int, ceil: dict, dev, o
         for warps in (4, 2):
             for unroll in (None, splits + 1):
                 kw = dict(unroll=unroll, block_h=block_h, num_warps=warps)
-                got = merge_partials(o_p, l_p, q.dtype, with_lse=False, **kw)[0]
-                if not torch.equal(got, base):  # the same fold order: any difference is a bug
-                    dk.checks.append(dict(name=f"{case} merge {kw} bits", rel_err=None, ok=False))
-                    print(f"check {case} merge {kw}: bits differ from the default merge's FAIL", flush=True)
+                # the same fold order: any difference is a bug
+                dk.check_bits(f"{case} merge {kw} against the default merge",
+                              merge_partials(o_p, l_p, q.dtype, with_lse=False, **kw)[0], base)
                 step = lambda: merge_partials(*parts()[:2], q.dtype, with_lse=False, **kw)  # noqa: E731
                 record("step, merge", dk.bench_us(step), **kw)
                 record("merge alone", dk.bench_us(lambda: merge_partials(o_p, l_p, q.dtype, with_lse=False, **kw)),

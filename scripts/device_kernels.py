@@ -122,6 +122,13 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     print(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def check_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """A check that two ways of computing the same thing give the same bits."""
+    ok = torch.equal(got, want)
+    checks.append(dict(name=name, rel_err=None, ok=ok))
+    print(f"check {name}: {'same bits' if ok else 'bits differ FAIL'}", flush=True)
+
+
 def save_rows(path: Path, ceil: dict, rows: list) -> None:
     """A device script's results so far, with the ceilings and every check (rewritten after
     each shape, so a run cut off by its time limit keeps what it did)."""

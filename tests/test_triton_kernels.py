@@ -713,6 +713,8 @@ def test_merge_block_h_splits_heads_only_while_the_grid_is_small(monkeypatch):
     assert [plan.merge_block_h(n, 32, 128, dev) for n in (1, 16, 32, 64, 128, 256, 4096)] == [2, 2, 2, 4, 8, 16, 16]
     assert plan.merge_block_h(256, 32, 64, dev) == 16 and plan.merge_block_h(64, 32, 64, dev) == 4
     assert plan.merge_block_h(512, 9, 64, dev) == 16 and plan.merge_block_h(8, 1, 128, dev) == 1
+    # the block of a large grid, all of a row's heads up to 2,048 values, whatever the rows
+    assert [plan.merge_row_block_h(h, d) for h, d in ((32, 128), (9, 64), (1, 128), (64, 16))] == [16, 16, 1, 64]
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
