@@ -29,7 +29,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.triton_plan import is_sm90
 
@@ -270,7 +269,7 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
                          n_queries, seq_len, keys_per_split, qk_scale,
                          stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                          G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, TRIGGER: gl.constexpr, WS: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_ROWS: gl.constexpr, WS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """grid (cdiv(n*G, BLOCK_M), Hkv, splits).
 
@@ -278,8 +277,6 @@ def _gluon_system_kernel(q_ptr, k_desc, v_desc, rows_ptr, o_ptr, lse_ptr,
     num_warps 4): the warp-specialised program, these 4 warps the first consumer, plus a
     second consumer warpgroup and the producer warp as workers.
     """
-    if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
-        gdc_launch_dependents()
     pid_m = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
@@ -340,7 +337,7 @@ def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
 def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                                 o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
                                 num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3,
-                                trigger: bool = False, ws: bool = False, ws_regs: int = WS_REGS):
+                                ws: bool = False, ws_regs: int = WS_REGS):
     """q [N, Hq, D]; k_sys/v_sys [S, Hkv, D] contiguous; o_part [splits, N, Hq, D]; lse_part [splits, N, Hq].
 
     ws: the warp-specialised kernel (block_m 128: two consumer warpgroups and a TMA warp).
@@ -369,6 +366,6 @@ def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: tor
     # the warp-specialised program's register split needs the launch capped (12 warps)
     extra = dict(maxnreg=ws_regs) if ws else {}
     return _gluon_system_kernel[grid](*args, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                                      HAS_ROWS=rows is not None, TRIGGER=trigger, WS=ws,
+                                      HAS_ROWS=rows is not None, WS=ws,
                                       CONSUMER_REGS=ws_consumer_regs(ws_regs), num_warps=4 if ws else block_m // 16,
                                       **extra)

@@ -22,10 +22,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kernels.metadata import AttentionMetadata
-from kernels.pdl import launch_options
 from kernels.triton_plan import fit_smem, num_sms, split_plan
 from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
@@ -86,12 +84,8 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
                    HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   IEEE: tl.constexpr, BT_AHEAD: tl.constexpr, WAIT_SYS: tl.constexpr):
-    """Row tile pid_m of sequence seq on KV head h, key chunk `split` (the kernel below, or a relay grid).
-
-    WAIT_SYS: launched as a programmatic dependent of the system kernel, which wrote the
-    partials folded in below: the own keys are read while it still runs, and only the
-    fold waits for it (griddepcontrol.wait)."""
+                   IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
+    """Row tile pid_m of sequence seq on KV head h, key chunk `split`."""
     if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
         if tl.load(grp_ptr + seq) != group_id:
             return
@@ -145,8 +139,6 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     o, lse = _finish(acc, m_i, l_i)
     # relay fusion: fold in every split of the system step, then write once
     if HAS_SYS:
-        if WAIT_SYS:
-            gdc_wait()
         o, lse = _merge_splits(o, lse, so_ptr, sl_ptr, row * stride_son + head * stride_soh,
                                row * stride_sln + head, stride_sos, stride_sls, sys_splits, rmask, D, SYS_UNROLL)
     slot = split_base + split
@@ -170,7 +162,7 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
                   HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  IEEE: tl.constexpr, BT_AHEAD: tl.constexpr, WAIT_SYS: tl.constexpr):
+                  IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
     if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
         pid_hs = tl.program_id(0)
         pid_m = tl.program_id(2)
@@ -186,15 +178,7 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                    qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                    stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
                    stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
-                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD, WAIT_SYS)
-    if WAIT_SYS:
-        if HAS_SYS:  # every program waits, those that returned early too: the system kernel is
-            gdc_wait()  # then done when this one is, for whatever the stream runs next
-        elif (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
-            # no fold: the programs write their partial and leave, so their slots go to the
-            # next ones while the system kernel still runs; the first program alone waits
-            # for it, which makes this kernel complete only after the system kernel has
-            gdc_wait()
+                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD)
 
 
 def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -273,7 +257,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                     seq_group: torch.Tensor | None = None, group_id: int = 0,
                     sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    config: dict | None = None, read_ahead: bool = False, wait_sys: bool = False) -> None:
+                    config: dict | None = None, read_ahead: bool = False) -> None:
     """Launch the paged kernel. Results go to out[split_base + s] (out is [splits, N, Hq, D]).
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
@@ -283,11 +267,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
     last ones may be short or empty: (0, -inf)). read_ahead: without a config, let
     paged_config pick read-ahead tiles for a small grid (relay's context step, where it
-    was timed; pass the same to context_splits). wait_sys: on CUDA, launch as a programmatic
-    dependent (PDL) of the kernel just before on the stream, which let its dependents launch
-    (system_attention_into's trigger): the own keys are read while it runs. With sys_part
-    (which that kernel writes) the fold waits for it; without, the partials are written at
-    once and only the first program waits, so that this kernel ends after that one.
+    was timed; pass the same to context_splits).
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -296,7 +276,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert num_splits >= 1, f"num_splits must be at least 1, got {num_splits}"
     assert split_base + num_splits <= out.shape[0], "out has too few split slots"
     assert sys_part is None or num_splits == 1, "the relay epilogue needs the whole context range in one program"
-    assert not wait_sys or q.is_cuda, "wait_sys needs CUDA"
     if lse is not None:
         assert lse.shape == out.shape[:3] and lse.dtype == torch.float32 and lse.stride(-1) == 1
     if prefix is not None:
@@ -340,8 +319,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
         HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
-        IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, WAIT_SYS=wait_sys, **cfg,
-        **launch_options(wait_sys))
+        IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, **cfg)
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

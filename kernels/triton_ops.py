@@ -19,7 +19,6 @@ from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
 from kernels.triton_plan import (DECODE_TILE, fused_decode_plan, fused_tile, matrix_bound, resident_splits, split_plan,
                                  system_config)
-from kernels.triton_relay_grid import relay_grid_into
 from kernels.triton_system_attention import merge_partials, system_attention_into
 
 __all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv"]
@@ -40,10 +39,8 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          sys_splits: int | None = None, ctx_splits: int | None = None,
                          sys_config: dict | None = None, ctx_config: dict | None = None,
                          overlap: bool | None = None, system_side: bool | None = None,
-                         resident: bool | None = None,
-                         one_grid: bool = False, grid_config: dict | None = None,
-                         side_stream: torch.cuda.Stream | None = None, pdl: bool = False,
-                         pdl_merge: bool = False, fused: bool | None = None) -> torch.Tensor:
+                         resident: bool | None = None, side_stream: torch.cuda.Stream | None = None,
+                         fused: bool | None = None) -> torch.Tensor:
     """relay_attention with the split factors and tile configs exposed (tests, tuning).
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
@@ -52,42 +49,24 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     CUDA graph, where the extra stream costs no host time (eager, that time exceeds the
     gain). system_side: the system kernel goes first, on the side stream, so the block
     scheduler places its programs ahead of the context kernel's many small ones (None:
-    when the step overlaps and its system step is matrix-bound; False: the context
-    first, as the engine did for every step before the thirteenth session). resident:
-    with system_side, plan the system split count so that its programs take at most one
-    slot an SM and context programs run beside them (plan_system: None where that
-    fits under the context step, True always, False never). H200, graphed
-    (docs/kernels.md): the system kernel first was 2-6% faster than the context first at
-    three llama3-8b shapes and 6% slower for llama2-7b at batch 64 (a byte-bound system
-    step), and one program an SM 5-14% faster again where the context step is the larger.
-    one_grid: a decode step with one prefix group and an unsplit context runs both roles
-    in one launch (kernels/triton_relay_grid.py, grid_config its tiles), then the merge
-    kernel; other steps take the paths above, which compute the same function. On the
-    H200 it was slower than context first in every config tried (docs/benchmarks.md).
+    when the step overlaps and its system step is matrix-bound). resident: with
+    system_side, plan the system split count so that its programs take at most one slot
+    an SM and context programs run beside them (plan_system: None where that fits under
+    the context step, True always, False never). docs/kernels.md has the measurements.
     side_stream: the overlap's second stream, owned by the caller (kernels.backend.PagedAttention
     keeps one per engine); None takes one from torch's stream pool (high priority with system_side).
-    pdl: a CUDA decode step with one unsplit context takes the fused path on one stream, the
-    context kernel launched as a programmatic dependent of the system kernel (planned as
-    the overlap plans it): its programs read the own keys while the system kernel runs and
-    wait for it only to fold its partials in, so there is no merge kernel, no side stream
-    and no context partial. Other steps take the paths above. H200, fifteenth session: 0-8%
-    slower than the overlap alone, the same in whole jobs (docs/kernels.md); not the default.
-    pdl_merge: with pdl, the context kernel writes a partial instead of folding (its programs
-    then never wait, so their slots turn over while the system kernel runs) and the merge
-    kernel finishes.
     fused: None: a decode step captured in a CUDA graph, every row behind one prefix, runs
     the own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py),
     then the merge kernel, where triton_plan.fused_decode_plan says it runs and pays and no
-    knob above is set (a knob asks for the paths above); False: never, as before the
-    twenty-third session. Other steps take the paths above.
+    knob above is set; False: never. Other steps take the paths above.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     groups = group_prefixes(meta, prefixes)
-    knobs = (sys_splits, ctx_splits, sys_config, ctx_config, overlap, system_side, resident, grid_config)
+    knobs = (sys_splits, ctx_splits, sys_config, ctx_config, overlap, system_side, resident)
     assert fused in (None, False), "fused: None (where the plan says) or False (never)"
-    if fused is None and not (one_grid or pdl or any(k is not None for k in knobs)):
+    if fused is None and not any(k is not None for k in knobs):
         splits = fused_step_splits(q, k_cache, v_cache, meta, groups)
         if splits is not None:
             from kernels.gluon_fused_relay import fused_relay_decode  # Gluon: sm_90 only
@@ -95,48 +74,40 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             return fused_relay_decode(q.contiguous(), k_sys, v_sys, k_cache, v_cache, meta.block_tables,
                                       meta.context_lens, scale, splits, **fused_tile(n, hq, hkv))[0]
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
-    pdl = pdl and q.is_cuda and meta.is_decode and bool(groups) and c_splits == 1 and not one_grid
     if overlap is None:
-        overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing() and not pdl
+        overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
     s_splits = 0
     if groups:
         system_side, s_splits, sys_config = plan_relay_step(
             group_sizes(groups), context_tokens(meta), hq, hkv, d, q.element_size(), q.device,
-            overlapped=overlap or pdl, pdl=pdl, system_side=system_side, resident=resident, config=sys_config,
+            overlapped=overlap, system_side=system_side, resident=resident, config=sys_config,
             num_splits=sys_splits)
-    overlap = overlap and bool(groups) and not pdl
+    overlap = overlap and bool(groups)
     if not groups and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
         return out[0]
-    one_grid = one_grid and len(groups) == 1 and c_splits == 1 and meta.is_decode and meta.max_seqlen_q == 1
-    extra = c_splits if c_splits > 1 or overlap or one_grid or (pdl and pdl_merge) else 0
+    extra = c_splits if c_splits > 1 or overlap else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
     if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
         lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
-    if one_grid:  # both roles in one launch; the context result lands in the last slot
-        (g, k_sys, v_sys), = groups
-        relay_grid_into(q, k_cache, v_cache, meta, k_sys, v_sys, g.query_indices, scale, o_part, lse_part,
-                        config=grid_config)
-        return merge_partials(o_part, lse_part, q.dtype, with_lse=False)[0]
 
     def system_step():
-        for i, (g, k_sys, v_sys) in enumerate(groups):
+        for g, k_sys, v_sys in groups:
             assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
             system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
-                                  rows=g.query_indices, num_splits=s_splits, config=sys_config,
-                                  trigger=pdl and i == len(groups) - 1)
+                                  rows=g.query_indices, num_splits=s_splits, config=sys_config)
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
-                        num_splits=c_splits, config=ctx_config, read_ahead=True, wait_sys=pdl)
+                        num_splits=c_splits, config=ctx_config, read_ahead=True)
 
     if not extra:  # the fused path: the context epilogue merges the system partials, o written once
         system_step()
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True,
-                        sys_part=(o_part[:s_splits], lse_part[:s_splits]), wait_sys=pdl)
+                        sys_part=(o_part[:s_splits], lse_part[:s_splits]))
         return out[0]
     if overlap and q.is_cuda:
         main = torch.cuda.current_stream(q.device)
@@ -178,13 +149,13 @@ def fused_step_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def plan_relay_step(sizes: list[tuple[int, int]], num_context_tokens: int, num_heads: int, num_kv_heads: int,
-                    head_dim: int, elem: int, device: torch.device, *, overlapped: bool, pdl: bool = False,
+                    head_dim: int, elem: int, device: torch.device, *, overlapped: bool,
                     system_side: bool | None = None, resident: bool | None = None, config: dict | None = None,
                     num_splits: int | None = None) -> tuple[bool, int, dict]:
     """(system kernel first?, system splits, system tile) of a relay step with prefix groups
     `sizes` (group_sizes) and num_context_tokens own keys (context_tokens).
 
-    overlapped: the step runs its two kernels at once (the overlap, or the PDL pair), so their
+    overlapped: the step runs its two kernels at once (the overlap), so their
     order and the system split plan go by the step's sizes (overlap_work); other steps plan
     for the tile alone. system_side, resident, config, num_splits: relay_attention_with's
     (None: chosen here)."""
@@ -192,7 +163,7 @@ def plan_relay_step(sizes: list[tuple[int, int]], num_context_tokens: int, num_h
     if system_side is None:  # a byte-bound system step gains nothing from going first
         system_side = work is not None and matrix_bound(*work[:2])
     splits, tile = plan_system(sizes, num_heads, num_kv_heads, head_dim, elem, device, config, num_splits,
-                               resident if work is not None and (system_side or pdl) else False, work)
+                               resident if work is not None and system_side else False, work)
     return system_side, splits, tile
 
 

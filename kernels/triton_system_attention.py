@@ -16,7 +16,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.pdl import launch_options, pdl_supported
@@ -178,9 +178,7 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:  # a programmatic dependent (the fused context kernel) may launch now
-        gdc_launch_dependents()
+                   HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     _system_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, rows_ptr,
                     o_ptr, lse_ptr, n_queries, seq_len, keys_per_split, qk_scale,
                     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -241,15 +239,12 @@ def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> b
 
 def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                           o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None = None,
-                          num_splits: int | None = None, config: dict | None = None,
-                          trigger: bool = False) -> None:
+                          num_splits: int | None = None, config: dict | None = None) -> None:
     """Write per-split results of q[rows] against the prefix into o_part[s, rows], lse_part[s, rows].
 
     q [N, Hq, D]; k_sys/v_sys [S, Hkv, D]; rows [n] int64 or None (all N rows);
     o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32.
     num_splits must equal o_part.shape[0]; a chunk with no keys gets (0, -inf).
-    trigger: every program lets a programmatic dependent launch as it starts
-    (griddepcontrol.launch_dependents; paged_attention's wait_sys); a no-op without one.
     """
     check_prefix(q, k_sys, v_sys)
     n_q = q.shape[0] if rows is None else rows.shape[0]
@@ -273,7 +268,7 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     if gluon and gluon_usable(q, k_sys, v_sys):
         from kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
-                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], trigger=trigger,
+                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"],
                                     ws=ws is not False, **ws_kw)
         return
     if ws is not False:  # the warp-specialised tile is Gluon's alone; Triton takes its decode tile
@@ -294,8 +289,7 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         n_q, seq_len, per, scale * LOG2E,
         q.stride(0), q.stride(1), k_sys.stride(0), k_sys.stride(1), v_sys.stride(0), v_sys.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma,
-        TRIGGER=trigger, **cfg)
+        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma, **cfg)
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,

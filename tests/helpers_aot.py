@@ -1,4 +1,4 @@
-"""Compile relay's Triton attention kernels ahead of time for an H100/H200 (sm_90) on any
+"""Compile relay's Triton layer kernels ahead of time for an H100/H200 (sm_90) on any
 machine, no GPU needed (Triton ships ptxas), and print which grid-dependency instructions
 (programmatic dependent launch) each variant's PTX carries, as JSON.
 
@@ -12,9 +12,6 @@ import warnings
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from kernels.triton_context_attention import _paged_kernel
-from kernels.triton_system_attention import _system_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -30,21 +27,6 @@ def griddep(fn, constexprs: dict, pointers: dict, **options) -> list[str]:
                             options=options)
     return sorted({line.split()[0].rstrip(";") for line in kernel.asm["ptx"].splitlines()
                    if line.strip().startswith("griddepcontrol")})
-
-
-def paged(wait_sys: bool) -> list[str]:
-    consts = dict(G=4, D=128, BLOCK_M=16, BLOCK_N=32, PAGE=16, HAS_PREFIX=False, FILTER=False, HEADS_FAST=True,
-                  HAS_SYS=True, SYS_UNROLL=4, WRITE_LSE=False, IEEE=False, BT_AHEAD=False, WAIT_SYS=wait_sys)
-    ptrs = {name: "*bf16" for name in ("q_ptr", "kc_ptr", "vc_ptr", "kp_ptr", "vp_ptr", "o_ptr")}
-    ptrs.update({name: "*fp32" for name in ("lse_ptr", "so_ptr", "sl_ptr")})
-    ptrs.update({name: "*i32" for name in ("cu_ptr", "ctx_ptr", "bt_ptr", "grp_ptr")})
-    return griddep(_paged_kernel, consts, ptrs, num_warps=2, num_stages=2)
-
-
-def system(trigger: bool) -> list[str]:
-    consts = dict(G=4, D=128, BLOCK_M=64, BLOCK_N=64, HAS_ROWS=True, IEEE=False, TMA=False, TRIGGER=trigger)
-    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32")
-    return griddep(_system_kernel, consts, ptrs, num_warps=4, num_stages=3)
 
 
 def layer_ops(pdl: bool) -> dict[str, list[str]]:
@@ -65,6 +47,4 @@ def layer_ops(pdl: bool) -> dict[str, list[str]]:
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
-    print(json.dumps({"paged": paged(False), "paged_wait_sys": paged(True),
-                      "system": system(False), "system_trigger": system(True),
-                      "layer_ops": layer_ops(False), "layer_ops_pdl": layer_ops(True)}))
+    print(json.dumps({"layer_ops": layer_ops(False), "layer_ops_pdl": layer_ops(True)}))

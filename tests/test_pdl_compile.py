@@ -1,7 +1,6 @@
-"""The PDL variant of a relay decode step (triton_ops.relay_attention_with(pdl=True)) and the
-layer's small kernels launched as programmatic dependents (kernels.pdl) on any machine: the
-kernels, compiled for sm_90, carry the grid-dependency instructions exactly where their
-flags ask. Timing and results on the GPU: tests/test_triton_kernels.py,
+"""The layer's small kernels launched as programmatic dependents (kernels.pdl), on any
+machine: the kernels, compiled for sm_90, carry the grid-dependency instructions exactly
+where their flags ask. Timing and results on the GPU: tests/test_triton_kernels.py,
 tests/test_triton_layer_ops.py."""
 
 import importlib.util
@@ -28,7 +27,5 @@ def test_pdl_flags_reach_the_compiled_kernels():
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     ops = ("add_rms_norm", "rope", "silu_mul")
-    assert got == {"paged": [], "paged_wait_sys": ["griddepcontrol.wait"],
-                   "system": [], "system_trigger": ["griddepcontrol.launch_dependents"],
-                   "layer_ops": {op: [] for op in ops},
+    assert got == {"layer_ops": {op: [] for op in ops},
                    "layer_ops_pdl": {op: ["griddepcontrol.wait"] for op in ops}}, got

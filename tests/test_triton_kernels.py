@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 _MODULES = ["kernels.triton_system_attention", "kernels.triton_context_attention",
-            "kernels.triton_paged_decode", "kernels.triton_relay_grid", "kernels.triton_ops"]
+            "kernels.triton_paged_decode", "kernels.triton_ops"]
 # @triton.jit picks interpreter or compiler at import: re-import modules someone loaded earlier
 for _name in _MODULES:
     if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
@@ -32,7 +32,6 @@ from kernels.pdl import pdl_supported  # noqa: E402
 from kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
 from kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
-from kernels.triton_relay_grid import relay_grid_into  # noqa: E402
 from kernels.triton_system_attention import merge_partials, system_attention  # noqa: E402
 from tests.helpers_attention import expected_output, random_problem  # noqa: E402
 
@@ -285,74 +284,6 @@ def test_padding_rows_read_nothing_and_leave_the_other_rows_alone(dtype):
             assert rel_err(got[real], want_relay[real]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("spread", [True, False])
-def test_relay_grid_runs_both_roles_in_one_launch(dtype, spread, monkeypatch):
-    """One prefix group, decode: system and context programs in one grid, then the merge."""
-    import kernels.triton_ops as ops
-    rng = random.Random()
-    shape = shapes(rng, decode=True, big=CUDA)
-    shape["prefix_lens"] = shape["prefix_lens"][:1]
-    shape["prefix_of"] = [rng.choice([0, 0, 0, 1]) for _ in shape["q_lens"]]  # 1 = no prefix
-    shape["prefix_of"][0] = 0
-    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
-    calls = []
-    monkeypatch.setattr(ops, "relay_grid_into", lambda *a, **k: calls.append(k) or relay_grid_into(*a, **k))
-    config = dict(SYS_BLOCK_M=rng.choice([16, 64]), SYS_BLOCK_N=rng.choice([16, 32]),
-                  CTX_BLOCK_N=rng.choice([16, 32]), spread=spread,
-                  CTX_HEADS=rng.choice([h for h in (1, 2, 4) if shape["num_kv_heads"] % h == 0]))
-    got = relay_attention_with(q, kc, vc, meta, prefixes, scale, sys_splits=rng.choice([1, 3]), one_grid=True,
-                               grid_config=config)
-    assert calls == [dict(config=config)], "the decode step did not take the one-grid path"
-    assert got.shape == q.shape and got.dtype == dtype
-    assert rel_err(got, textbook(shape, q, kc, vc, prefixes, meta, scale)) < TOL[dtype]
-    # prefill (and several prefix groups) take the other paths, unchanged
-    shape = shapes(rng, decode=False)
-    shape["ctx_lens"][0] = max(2, shape["ctx_lens"][0])
-    shape["q_lens"][0] = 2  # a step with a prefill query, whatever the draw
-    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
-    got = relay_attention_with(q, kc, vc, meta, prefixes, scale, one_grid=True)
-    assert len(calls) == 1
-    assert rel_err(got, textbook(shape, q, kc, vc, prefixes, meta, scale)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_relay_grid_tma_loads_match_pointer_loads(dtype):
-    rng = random.Random()
-    shape = shapes(rng, decode=True, big=CUDA)
-    shape["prefix_lens"] = [rng.randint(40, 180 if not CUDA else 3000)]
-    shape["prefix_of"] = [0] * len(shape["q_lens"])
-    q, kc, vc, prefixes, meta, scale = make(shape, dtype)
-    splits = rng.choice([1, 2])
-    outs = []
-    for tma in (False, True):
-        o_part = torch.empty(splits + 1, *q.shape, device=DEVICE)
-        lse_part = torch.empty(splits + 1, *q.shape[:2], device=DEVICE)
-        relay_grid_into(q, kc, vc, meta, *prefixes[0], None, scale, o_part, lse_part, tma=tma,
-                        config=dict(SYS_BLOCK_M=16, SYS_BLOCK_N=16))
-        outs.append(merge_partials(o_part, lse_part, dtype, with_lse=False)[0])
-    assert rel_err(outs[1], outs[0]) < 1e-6
-    assert rel_err(outs[0], textbook(shape, q, kc, vc, prefixes, meta, scale)) < TOL[dtype]
-
-
-def test_relay_grid_rejects_unknown_config_and_prefill():
-    rng = random.Random()
-    shape = shapes(rng, decode=True)
-    q, kc, vc, prefixes, meta, scale = make(shape, torch.float32)
-    o_part = torch.empty(3, *q.shape, device=DEVICE)
-    lse_part = torch.empty(3, *q.shape[:2], device=DEVICE)
-    k_sys, v_sys = prefixes[0]
-    with pytest.raises(AssertionError, match="unknown relay grid config keys"):
-        relay_grid_into(q, kc, vc, meta, k_sys, v_sys, None, scale, o_part, lse_part, config=dict(BLOCK_M=64))
-    shape = shapes(rng, decode=False)
-    shape["q_lens"][0] = 2
-    shape["ctx_lens"][0] = max(2, shape["ctx_lens"][0])
-    q, kc, vc, prefixes, meta, scale = make(shape, torch.float32)
-    with pytest.raises(AssertionError, match="decode"):
-        relay_grid_into(q, kc, vc, meta, *prefixes[0], None, scale, torch.empty(3, *q.shape, device=DEVICE),
-                        torch.empty(3, *q.shape[:2], device=DEVICE))
-
-
 def test_relay_without_prefix_groups_is_context_attention():
     shape = shapes(random.Random(), decode=False)
     q, kc, vc, prefixes, meta, scale = make(shape, torch.float32)
@@ -408,52 +339,10 @@ def test_gpu_relay_and_baseline_large(dtype, decode):
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True), want_relay),
                           (relay_attention_with(q, kc, vc, meta, prefixes, scale, overlap=True, system_side=True),
                            want_relay),
-                          (relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True), want_relay),
-                          (relay_attention_with(q, kc, vc, meta, prefixes, scale, pdl=True, pdl_merge=True),
-                           want_relay),
                           (prefix_paged_attention(q, kc, vc, meta, prefixes, scale),
                            ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale))):
         assert rel_err(got, want_ref) < TOL[dtype]
         assert rel_err(got, want) < TOL[dtype]
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch", [8, 64, 256])
-@pytest.mark.parametrize("pdl_merge", [False, True])
-def test_gpu_relay_pdl_step_eager_and_graphed(dtype, batch, pdl_merge):
-    """A decode step with the context kernel a programmatic dependent of the system kernel
-    (pdl=True: one stream, the merge in the context epilogue; pdl_merge: a context partial
-    and the merge kernel, only the first context program waiting) gives the relay reference,
-    launched eagerly and replayed from a CUDA graph (the Gluon system kernel), and the same
-    graph replayed on new inputs gives their answer: the fold (or the merge) sees this
-    step's system partials."""
-    rng = random.Random()
-    ctx = [rng.randint(1, 900) for _ in range(batch)]
-    q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * batch, ctx_lens=ctx, prefix_of=[0] * batch,
-                                               prefix_lens=[rng.randint(1024, 4096)], num_q_heads=32,
-                                               num_kv_heads=8, head_dim=128, dtype=dtype, device="cuda")
-    scale = 128 ** -0.5
-
-    def want():
-        qf, kf, vf, pf = upcast(q, kc, vc, prefixes)
-        return ref.relay_attention(qf, kf, vf, meta, pf, scale)
-    step = functools.partial(relay_attention_with, q, kc, vc, meta, prefixes, scale, pdl=True, pdl_merge=pdl_merge)
-    assert rel_err(step(), want()) < TOL[dtype]
-    out = torch.empty_like(q)
-    for _ in range(2):  # the first capture compiles what runs only under capture (the Gluon kernel)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(step())
-    for _ in range(2):
-        q.copy_(torch.randn_like(q))
-        for k, v in prefixes:  # the system step's inputs change too
-            k.copy_(torch.randn_like(k))
-            v.copy_(torch.randn_like(v))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, want()) < TOL[dtype]
 
 
 @gpu
