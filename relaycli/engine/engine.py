@@ -16,9 +16,11 @@ from typing import Callable, Iterable, Iterator
 from models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
+from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
+from relaycli.engine.stops import StopWatch, first_stop
 from relaycli.io.requests import RequestRow, ResultRow
 from relaycli.prompts import PromptError, PromptMatcher
 
@@ -117,7 +119,7 @@ class _Live:
     row_index: int
     id: str
     url: str | None
-    stop: tuple[str, ...]
+    watch: StopWatch | None  # rows with stop strings: their text, decoded as it grows
 
 
 class Engine:
@@ -145,7 +147,9 @@ class Engine:
         self._last_read: StepHandle | None = None  # the step accounted last in this generate call
 
     # ---- turning rows into sequences -------------------------------------------------
-    def _to_token_request(self, row: RequestRow) -> TokenRequest | ResultRow:
+    def _to_token_request(self, row: RequestRow | ResultRow) -> TokenRequest | ResultRow:
+        if isinstance(row, ResultRow):
+            return row
         if self.matcher is None:
             return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: this model has no tokenizer "
                                     "(dummy weights); send token ids through Engine.generate_tokens", row.url)
@@ -191,35 +195,36 @@ class Engine:
                                     "or raise --kv-cache-gb", req.url)
         seq.sampling = SamplingOptions(max_new, opts.temperature, opts.top_p, opts.top_k, opts.seed, opts.stop,
                                        opts.ignore_eos)
-        self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, opts.stop)
+        watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
+        self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, watch)
         self.scheduler.add(seq)
         return None
 
     # ---- the loop --------------------------------------------------------------------
     def generate(self, rows: Iterable[RequestRow | ResultRow],
                  on_step: Callable[[EngineStats], None] | None = None) -> Iterator[ResultRow]:
-        """Answer every row; error rows (already ResultRow) pass straight through."""
-        def token_requests():
-            for row in rows:
-                yield row if isinstance(row, ResultRow) else self._to_token_request(row)
-        return self.generate_tokens(token_requests(), on_step)
+        """Answer every row; error rows (already ResultRow) pass straight through. Rows are
+        rendered and tokenized on a background stage ahead of the engine (feed.Prefetch)."""
+        feed = Prefetch(rows, self._to_token_request, self.config.max_pending_rows)
+        try:
+            yield from self.generate_tokens(feed, on_step)
+        finally:
+            feed.close()
 
-    def generate_tokens(self, requests: Iterable[TokenRequest | ResultRow],
+    def generate_tokens(self, requests: Iterable[TokenRequest | ResultRow] | Feed,
                         on_step: Callable[[EngineStats], None] | None = None) -> Iterator[ResultRow]:
-        source = iter(requests)
-        exhausted = False
+        feed = feed_of(requests)
         self._last_read = None  # a step of an earlier call is no start for this one's first step
         while True:
-            while not exhausted and self.scheduler.num_unfinished < self.config.max_pending_rows:
-                item = next(source, None)
-                if item is None:
-                    exhausted = True
-                    break
-                err = item if isinstance(item, ResultRow) else self._admit(item)
-                if err is not None:
-                    yield self._count(err)
+            room = self.config.max_pending_rows - self.scheduler.num_unfinished
+            if room > 0 and not feed.exhausted:
+                idle = self.scheduler.num_unfinished == 0 and self._pending is None
+                for item in feed.take(room, wait=idle):
+                    err = item if isinstance(item, ResultRow) else self._admit(item)
+                    if err is not None:
+                        yield self._count(err)
             if self.scheduler.num_unfinished == 0 and self._pending is None:
-                if exhausted:
+                if feed.exhausted:
                     return
                 continue
             for result in self._step():
@@ -313,7 +318,7 @@ class Engine:
                 now = now or time.perf_counter()
                 seq.first_token_time = now
                 self.stats.ttft_seconds.append(now - seq.arrival_time)
-            if self._stops(seq, tok, index):
+            if self._stops(seq, tok, index, live.watch):
                 seq.finish_reason = "stop"
                 del seq.output_ids[index + 1:]  # a placeholder of the step now running
                 self.scheduler.finish(seq)
@@ -322,29 +327,23 @@ class Engine:
             finished.append(self._result(self._live.pop(seq.seq_id)))
         return finished
 
-    def _stops(self, seq: Sequence, tok: int, index: int) -> bool:
+    def _stops(self, seq: Sequence, tok: int, index: int, watch: StopWatch | None) -> bool:
         """Does output token `index` (= tok) end the sequence: EOS, or a stop string?"""
-        opts = seq.sampling
-        if not opts.ignore_eos and tok in self.eos_ids:
+        if not seq.sampling.ignore_eos and tok in self.eos_ids:
             return True
-        if opts.stop and self.loaded.tokenizer is not None:
-            text = self.loaded.tokenizer.decode(seq.output_ids[:index + 1])
-            cuts = [text.find(s) for s in opts.stop if s and s in text]
-            if cuts:
-                seq.stop_text_end = min(cuts)
-                return True
-        return False
+        return watch is not None and watch.push(seq.output_ids, index + 1) is not None
 
     def _result(self, live: _Live) -> ResultRow:
         seq = live.seq
         ids = seq.output_ids
         if self.token_ids_by_row is not None:
             self.token_ids_by_row[live.row_index] = list(ids)
-        if seq.finish_reason == "stop" and seq.stop_text_end is None and ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
+        if seq.finish_reason == "stop" and not seq.sampling.ignore_eos and ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]  # the end-of-sequence token is no part of the answer
         text = self.loaded.tokenizer.decode(ids) if self.loaded.tokenizer is not None else ""
-        if seq.stop_text_end is not None:
-            text = text[:seq.stop_text_end]
+        if seq.finish_reason == "stop" and live.watch is not None:
+            cut = first_stop(text, live.watch.stops)
+            text = text if cut is None else text[:cut]
         return ResultRow(row_index=live.row_index, id=live.id, text=text, finish_reason=seq.finish_reason,
                          prompt_tokens=len(seq.prompt_ids), cached_tokens=seq.num_prefix_tokens,
                          completion_tokens=seq.num_completion_tokens, error=None, url=live.url)

@@ -3,8 +3,10 @@ loaded prefixes' KV, and the per-step tensors built from the scheduler's choice.
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import torch
 
 from kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
@@ -44,6 +46,17 @@ def _available_cpu_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU its pages come from calloc, which the kernel maps to zero
+    pages on first touch: a cache of gigabytes costs nothing until a job writes to it
+    (torch.zeros writes every byte up front). Zeros, not garbage: a masked key of a
+    never-written slot still enters p @ v, and 0 * NaN would poison the output."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    return torch.from_numpy(np.zeros(numel * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, prefixes: list[PrefixKV], config: EngineConfig) -> None:
         self.model = loaded.model
@@ -60,8 +73,8 @@ class ModelRunner:
         shape = (self.num_blocks + 1, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
         layers = range(self.mc.num_hidden_layers)
         try:
-            self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-            self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+            self.k_caches = [zeroed(shape, self.dtype, self.device) for _ in layers]
+            self.v_caches = [zeroed(shape, self.dtype, self.device) for _ in layers]
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
             self.k_caches = self.v_caches = []
             gib = (self.num_blocks + 1) * self.bytes_per_block() / 1024**3

@@ -56,7 +56,6 @@ class Sequence:
     num_cached_own: int = 0  # own tokens whose k/v are in the paged cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    stop_text_end: int | None = None  # where a stop string cut the text
     arrival_time: float = 0.0  # perf_counter when admitted
     first_token_time: float | None = None  # perf_counter when its first token was sampled
 

@@ -1,0 +1,103 @@
+"""The engine's host side: the background stage that feeds it, and stop strings checked
+as tokens arrive (against decoding the whole output every token)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from relaycli.engine.feed import Feed, Prefetch
+from relaycli.engine.stops import StopWatch, first_stop
+
+
+def test_prefetch_keeps_order_and_runs_on_its_own_thread():
+    threads = set()
+
+    def convert(x):
+        threads.add(threading.current_thread().name)
+        return x * 10
+
+    feed = Prefetch(range(100), convert, depth=7)
+    got = []
+    while not feed.exhausted:
+        got += feed.take(13, wait=True)
+    feed.close()
+    assert got == [x * 10 for x in range(100)]
+    assert threads == {"relay-prefetch"}
+
+
+def test_prefetch_does_not_wait_when_told_not_to_and_hands_on_a_stage_error_after_its_items():
+    gate = threading.Event()
+
+    def rows():
+        yield 1
+        yield 2
+        gate.wait(5)
+        raise OSError("the input file went away")
+
+    feed = Prefetch(rows(), lambda x: x, depth=4)
+    deadline = time.time() + 5
+    got = []
+    while len(got) < 2 and time.time() < deadline:
+        got += feed.take(10, wait=False)  # never blocks: the third item is not ready
+    assert got == [1, 2]
+    assert feed.take(10, wait=False) == []
+    gate.set()
+    with pytest.raises(OSError, match="went away"):
+        while True:
+            feed.take(10, wait=True)
+    feed.close()
+
+
+def test_a_consumer_that_stops_early_stops_the_stage():
+    produced = []
+
+    def rows():
+        for i in range(10**6):
+            produced.append(i)
+            yield i
+
+    feed = Prefetch(rows(), lambda x: x, depth=3)
+    assert feed.take(2, wait=True) == [0, 1]
+    feed.close()
+    n = len(produced)
+    time.sleep(0.3)
+    assert len(produced) == n < 10
+
+
+def test_a_plain_feed_takes_from_its_iterator():
+    feed = Feed(iter([1, 2, 3]))
+    assert feed.take(2, wait=False) == [1, 2]
+    assert feed.take(2, wait=False) == [3] and feed.exhausted
+
+
+@pytest.mark.slow
+def test_stop_watch_finds_the_stop_that_a_full_decode_finds(default_model):
+    """Random outputs (words, multi-byte characters split across tokens, special tokens):
+    the first token at which a stop string shows, and where, as decoding all tokens so far."""
+    tok = default_model.tokenizer
+    rng = random.Random(0)
+    texts = ["Hello world. The end.\n\nNext", "naïve café — déjà vu 😀👍🏽 日本語のテキスト", "a<b>c</b>\n###\nx",
+             "Answer: 42\nQuestion: why?", "    indented\n\tcode();\n"]
+    vocab = tok.vocab_size
+    checked = stopped = 0
+    for trial in range(60):
+        base = tok.encode(rng.choice(texts) + rng.choice(texts))
+        ids = [t if rng.random() < 0.8 else rng.randrange(vocab) for t in base]
+        full = tok.decode(ids)
+        stops = [full[i:i + rng.randint(1, 4)] for i in (rng.randrange(max(1, len(full))) for _ in range(2))]
+        stops = [s for s in stops if s] or ["\n"]
+        if trial % 5 == 0:
+            stops = ["no such text anywhere"]
+        watch = StopWatch(stops, tok.decode)
+        expect = next((n for n in range(1, len(ids) + 1) if first_stop(tok.decode(ids[:n]), stops) is not None), None)
+        got = next((n for n in range(1, len(ids) + 1) if watch.push(ids, n) is not None), None)
+        assert got == expect, (ids, stops)
+        if got is not None:
+            assert first_stop(watch.text, stops) == first_stop(tok.decode(ids[:got]), stops)
+            stopped += 1
+        checked += 1
+    assert checked == 60 and stopped > 20
