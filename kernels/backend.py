@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from kernels import reference
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, LayerPrefixes
 
 ATTENTION_MODES = ("relay", "no-relay")
 ATTENTION_IMPLS = ("torch", "cpu-flash", "triton")
@@ -98,11 +98,13 @@ class PagedAttention:
 
     k_caches[layer], v_caches[layer]: [num_blocks, block_size, Hkv, D].
     prefixes[slot] = (keys per layer, values per layer), each [S, Hkv, D].
+    store: keep each layer's prefixes in one store (kernels.metadata.LayerPrefixes), which
+    steps with a PrefixTable read; the slots are then views of it (prefix_layers).
     """
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  prefixes: list[tuple[list[torch.Tensor], list[torch.Tensor]]], mode: str, impl: str,
-                 scale: float) -> None:
+                 scale: float, store: bool = False) -> None:
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
         if impl not in ATTENTION_IMPLS:
@@ -111,7 +113,8 @@ class PagedAttention:
         self.mode, self.impl, self.scale = mode, impl, scale
         num_layers = len(k_caches)
         # Per layer, the (k, v) of every prefix slot: what the kernels take.
-        self.prefix_layers = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
+        pairs = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
+        self.prefix_layers = [LayerPrefixes.stored(p) if store else LayerPrefixes(p) for p in pairs]
         # the second stream of relay's overlapped decode step (whichever kernel the step
         # launches first; high priority, as it was timed), one per engine so every captured
         # graph forks onto the same stream
@@ -139,6 +142,16 @@ class PagedAttention:
         return self._ops.graphed_decode_plan(num_seqs, num_heads, k_cache.shape[2], k_cache.shape[3],
                                              k_cache.element_size(), k_cache.device, k_sys.shape[0],
                                              context_tokens, k_cache.shape[1], max_context_len)
+
+    def graphed_table_plan(self, num_seqs: int, num_heads: int, max_keys: int) -> tuple[int, str] | None:
+        """The plan of a captured decode step whose rows use several prefixes (a PrefixTable):
+        relay's grouped system kernel and its splits (kernels.triton_plan.grouped_splits);
+        None where no plan is made (--no-relay, other impls)."""
+        if self.impl != "triton" or self.mode != "relay" or not self.k_caches:
+            return None
+        from kernels.triton_plan import grouped_splits
+        k_cache = self.k_caches[0]
+        return grouped_splits(num_seqs, num_heads, k_cache.shape[2], max_keys, k_cache.device), "grouped"
 
     def attend_fn(self, meta: AttentionMetadata) -> Callable:
         """models.llama.AttendFn for this step's metadata; it takes rope=(cos, sin, layer_ops).

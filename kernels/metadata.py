@@ -24,6 +24,82 @@ class PrefixGroup:
 
 
 @dataclass
+class PrefixTable:
+    """A step's prefix groups as device data, for steps whose rows use several prefixes.
+
+    The rows are ordered by group (rows without a prefix last), so a CUDA graph captured
+    with this table's buffers replays any mix of prefixes: only the data changes.
+    row_group [B] int32: each row's group, num_groups where it has none (a padding row too);
+    groups [num_groups + 1, 4] int32: each group's (first row, end row, first key in the
+    prefix store, keys); unused entries and the last one are zeros.
+    """
+
+    row_group: torch.Tensor
+    groups: torch.Tensor
+    num_groups: int  # entries the table has room for (a graph's bound), not the groups in use
+    max_keys: int  # the longest prefix loaded: what split plans price
+    num_splits: int  # relay's system step: its split count, planned for max_keys
+
+
+class LayerPrefixes(list):
+    """One layer's loaded prefixes: [(k, v)] by slot, each [S_slot, Hkv, D], plus, where the
+    engine keeps them in one store (CUDA), the store's k and v [S_total, Hkv, D], of which
+    the slots are consecutive views. Steps with a PrefixTable read the store."""
+
+    def __init__(self, pairs, store: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__(pairs)
+        self.store = store
+
+    @classmethod
+    def stored(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> "LayerPrefixes":
+        """The pairs copied into one store, the slots then views of it (in slot order)."""
+        if len(pairs) <= 1:
+            return cls(pairs, pairs[0] if pairs else None)
+        k_store = torch.cat([k for k, _ in pairs])
+        v_store = torch.cat([v for _, v in pairs])
+        views, start = [], 0
+        for k, _ in pairs:
+            views.append((k_store[start:start + k.shape[0]], v_store[start:start + k.shape[0]]))
+            start += k.shape[0]
+        return cls(views, (k_store, v_store))
+
+
+def prefix_table_rows(row_slots: list[int | None], prefix_lens: list[int],
+                      num_groups: int) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+    """The host side of a PrefixTable: (row_group, groups rows) for rows ordered by group.
+
+    row_slots: each row's prefix slot (None: no prefix), rows of one slot together and rows
+    without one last; prefix_lens: every loaded slot's length, the store holding them in slot
+    order. A group is a run of rows of one slot, numbered in row order; num_groups entries
+    plus the closing zero entry. Raises ValueError when the rows are not so ordered or need
+    more than num_groups groups."""
+    starts = [0]
+    for length in prefix_lens:
+        starts.append(starts[-1] + length)
+    row_group: list[int] = []
+    groups: list[tuple[int, int, int, int]] = []
+    slots: list[int] = []  # each group's slot
+    for row, slot in enumerate(row_slots):
+        if slot is None:
+            row_group.append(num_groups)
+            continue
+        if row_group and row_group[-1] == num_groups:
+            raise ValueError("rows without a prefix must come last")
+        if not slots or slots[-1] != slot:
+            if slot in slots:
+                raise ValueError(f"the rows of prefix slot {slot} are not together")
+            slots.append(slot)
+            groups.append((row, row, starts[slot], prefix_lens[slot]))
+        lo, _, key0, keys = groups[-1]
+        groups[-1] = (lo, row + 1, key0, keys)
+        row_group.append(len(groups) - 1)
+    if len(groups) > num_groups:
+        raise ValueError(f"{len(groups)} prefix groups, the table holds {num_groups}")
+    groups += [(0, 0, 0, 0)] * (num_groups + 1 - len(groups))
+    return row_group, groups
+
+
+@dataclass
 class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one new query
     cu_seqlens_q: torch.Tensor  # [B+1] int32, packed query offsets
@@ -39,6 +115,8 @@ class AttentionMetadata:
     # prices (kernels.triton_ops.context_tokens). None: num_seqs x max_context_len. A decode
     # graph sets its key's representative total (relaycli.engine.cuda_graph).
     context_tokens: int | None = None
+    # several prefixes in one step, as device data (decode graphs); prefix_groups is then empty
+    prefix_table: PrefixTable | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

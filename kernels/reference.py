@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, PrefixGroup
 
 NEG_INF = float("-inf")
 # attend(q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v, scale, mask [B, Tq, Tk] | None) -> (o, lse):
@@ -112,6 +112,25 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return o[idx["query_seq"], idx["query_local"]], lse[idx["query_seq"], idx["query_local"]]
 
 
+def listed_groups(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[PrefixGroup]:
+    """The step's prefix groups as lists: meta.prefix_groups, or its PrefixTable read back
+    (the store holds the slots in order, so a group's first key names its slot)."""
+    table = meta.prefix_table
+    if table is None:
+        return meta.prefix_groups
+    starts, total = {}, 0
+    for slot, (k, _) in enumerate(prefixes):
+        starts[total] = slot
+        total += k.shape[0]
+    device = meta.context_lens.device
+    out = []
+    for row_lo, row_hi, key0, keys in table.groups.tolist()[:table.num_groups]:
+        if row_hi > row_lo:
+            rows = torch.arange(row_lo, row_hi, device=device)
+            out.append(PrefixGroup(starts[key0], keys, rows, rows))  # decode: row b is query b
+    return out
+
+
 def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]],
                     scale: float, attend: AttendLSE = attention_lse) -> torch.Tensor:
@@ -121,11 +140,12 @@ def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns o [N, Hq, D].
     """
     o_ctx, lse_ctx = context_attention(q, k_cache, v_cache, meta, scale, attend)
-    if not meta.prefix_groups:
+    groups = listed_groups(meta, prefixes)
+    if not groups:
         return o_ctx
     o_sys = torch.zeros_like(o_ctx)
     lse_sys = torch.full_like(lse_ctx, NEG_INF)
-    for group in meta.prefix_groups:
+    for group in groups:
         k_sys, v_sys = prefixes[group.prefix_slot]
         rows = group.query_indices
         o_g, lse_g = system_attention(q[rows], k_sys, v_sys, scale, attend)
@@ -147,7 +167,7 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_own, v_own = gather_context(k_cache, meta), gather_context(v_cache, meta)
     o_pad = torch.empty_like(q_pad)
     grouped = torch.zeros(meta.num_seqs, dtype=torch.bool, device=q.device)
-    for group in meta.prefix_groups:
+    for group in listed_groups(meta, prefixes):
         k_sys, v_sys = prefixes[group.prefix_slot]
         seqs = group.seq_indices
         grouped[seqs] = True

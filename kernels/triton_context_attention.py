@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, PrefixTable
 from kernels.triton_plan import fit_smem, num_sms, split_plan
 from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
@@ -74,7 +74,7 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
 
 @triton.jit
 def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
-                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
+                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr, tab_ptr,
                    group_id, prefix_len, num_splits, split_base, sys_splits,
                    qk_scale,
                    stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -82,10 +82,13 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
                    stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                    stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr,
+                   PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, TABLE: tl.constexpr,
                    HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
                    IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
-    """Row tile pid_m of sequence seq on KV head h, key chunk `split`."""
+    """Row tile pid_m of sequence seq on KV head h, key chunk `split`.
+
+    TABLE (with HAS_PREFIX): the sequence's prefix is its group's in the step's PrefixTable
+    (grp_ptr its row_group, tab_ptr its groups), a range of the prefix store at kp_ptr/vp_ptr."""
     if FILTER:  # this launch serves one prefix group; other sequences belong to other launches
         if tl.load(grp_ptr + seq) != group_id:
             return
@@ -109,6 +112,12 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
     own_any = first + tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // G) + 1
     # 0 without a prefix. A row with no own tokens is padding (a CUDA graph's rows past
     # the batch): this kernel reads nothing for it, not even its prefix (o = 0, lse = -inf).
+    if TABLE:
+        g = tl.load(grp_ptr + seq)
+        prefix_len = tl.load(tab_ptr + g * 4 + 3)
+        key0 = tl.load(tab_ptr + g * 4 + 2).to(tl.int64)
+        kp_ptr += key0 * stride_ps
+        vp_ptr += key0 * stride_ps
     pre = tl.where(ctx_len > 0, prefix_len, 0)
     total = pre + own_any
     per = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
@@ -152,7 +161,7 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
 # another variant for a value of 1 or a multiple of 16, inside a running job.
 @triton.jit(do_not_specialize=["group_id", "prefix_len", "num_splits", "split_base", "sys_splits"])
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
-                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr,
+                  cu_ptr, ctx_ptr, bt_ptr, grp_ptr, tab_ptr,
                   group_id, prefix_len, num_splits, split_base, num_kv_heads, sys_splits,
                   qk_scale,
                   stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -160,7 +169,8 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   stride_sos, stride_son, stride_soh, stride_sls, stride_sln,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, HEADS_FAST: tl.constexpr,
+                  PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr, FILTER: tl.constexpr, TABLE: tl.constexpr,
+                  HEADS_FAST: tl.constexpr,
                   HAS_SYS: tl.constexpr, SYS_UNROLL: tl.constexpr, WRITE_LSE: tl.constexpr,
                   IEEE: tl.constexpr, BT_AHEAD: tl.constexpr):
     if HEADS_FAST:  # neighbouring programs read the neighbouring heads of the same pages
@@ -174,11 +184,11 @@ def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr,
     split = pid_hs // num_kv_heads
     _paged_program(pid_m, seq, h, split,
                    q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr, cu_ptr, ctx_ptr,
-                   bt_ptr, grp_ptr, group_id, prefix_len, num_splits, split_base, sys_splits,
+                   bt_ptr, grp_ptr, tab_ptr, group_id, prefix_len, num_splits, split_base, sys_splits,
                    qk_scale, stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                    stride_vh, stride_ps, stride_ph, stride_bt, stride_os, stride_on, stride_oh, stride_ls,
                    stride_ln, stride_sos, stride_son, stride_soh, stride_sls, stride_sln, G, D, BLOCK_M,
-                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD)
+                   BLOCK_N, PAGE, HAS_PREFIX, FILTER, TABLE, HAS_SYS, SYS_UNROLL, WRITE_LSE, IEEE, BT_AHEAD)
 
 
 def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -256,12 +266,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int = 1,
                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                     seq_group: torch.Tensor | None = None, group_id: int = 0,
+                    prefix_table: PrefixTable | None = None,
                     sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
                     config: dict | None = None, read_ahead: bool = False) -> None:
     """Launch the paged kernel. Results go to out[split_base + s] (out is [splits, N, Hq, D]).
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
-    with seq_group[b] == group_id run; sys_part: (o [s, N, Hq, D], lse [s, N, Hq]) merged in
+    with seq_group[b] == group_id run; prefix_table: with prefix = the prefix store, each
+    sequence's prefix is its group's range of the store (kernels.metadata.PrefixTable); sys_part: (o [s, N, Hq, D], lse [s, N, Hq]) merged in
     the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None. num_splits:
     each sequence's keys are cut into that many chunks of whole key tiles, chunk s of
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
@@ -290,9 +302,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             "lse_sys must be [splits, N, Hq] fp32"
     if seq_group is not None:
         assert seq_group.shape == (meta.num_seqs,) and seq_group.dtype == torch.int32
+    assert prefix_table is None or (prefix is not None and seq_group is None), "a prefix table reads the store"
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
-    keys = -(-(meta.max_context_len + (prefix[0].shape[0] if prefix is not None else 0)) // num_splits)
+    prefix_keys = 0 if prefix is None else prefix_table.max_keys if prefix_table is not None else prefix[0].shape[0]
+    keys = -(-(meta.max_context_len + prefix_keys) // num_splits)
     cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys,
                                       meta.num_seqs * hkv if read_ahead else None))
     cfg.pop("per_sm", None)
@@ -306,7 +320,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_kernel[grid](
         q, k_cache, v_cache, kp, vp, out, lse_t, so, sl,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-        seq_group if seq_group is not None else meta.context_lens,
+        seq_group if seq_group is not None else prefix_table.row_group if prefix_table is not None
+        else meta.context_lens, prefix_table.groups if prefix_table is not None else meta.context_lens,
         group_id, kp.shape[0] if prefix is not None else 0, num_splits, split_base,
         hkv, so.shape[0] if sys_part is not None else 0, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -318,6 +333,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         so.stride(0), so.stride(1), so.stride(2),
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
+        TABLE=prefix_table is not None,
         HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
         IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, **cfg)
 

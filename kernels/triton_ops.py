@@ -15,6 +15,7 @@ import triton
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 from kernels.triton_context_attention import check_paged, context_splits, paged_attention
+from kernels.triton_grouped_system import grouped_system_attention_into
 from kernels.triton_paged_decode import group_prefixes
 from kernels.triton_paged_decode import prefix_paged_attention as _baseline
 from kernels.triton_plan import (DECODE_TILE, fused_decode_plan, fused_tile, matrix_bound, resident_splits, split_plan,
@@ -59,10 +60,15 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     the own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py),
     then the merge kernel, where triton_plan.fused_decode_plan says it runs and pays and no
     knob above is set; False: never. Other steps take the paths above.
+    A step with a PrefixTable (rows of several prefixes, as device data) runs its system
+    step as one grouped launch over the prefix store (kernels/triton_grouped_system.py),
+    split as the table says, then the same context step and merge.
     """
     check_paged(q, k_cache, v_cache, meta)
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
+    table = meta.prefix_table
+    assert table is None or prefixes.store is not None, "a prefix table needs the prefixes in one store"
     groups = group_prefixes(meta, prefixes)
     knobs = (sys_splits, ctx_splits, sys_config, ctx_config, overlap, system_side, resident)
     assert fused in (None, False), "fused: None (where the plan says) or False (never)"
@@ -77,23 +83,28 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if overlap is None:
         overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
     s_splits = 0
-    if groups:
+    if table is not None:
+        s_splits = table.num_splits
+        system_side = True if system_side is None else system_side
+    elif groups:
         system_side, s_splits, sys_config = plan_relay_step(
             group_sizes(groups), context_tokens(meta), hq, hkv, d, q.element_size(), q.device,
             overlapped=overlap, system_side=system_side, resident=resident, config=sys_config,
             num_splits=sys_splits)
-    overlap = overlap and bool(groups)
-    if not groups and c_splits == 1:
+    overlap = overlap and s_splits > 0
+    if not s_splits and c_splits == 1:
         out = torch.empty((1, n, hq, d), dtype=q.dtype, device=q.device)
         paged_attention(q, k_cache, v_cache, meta, scale, out=out, config=ctx_config, read_ahead=True)
         return out[0]
     extra = c_splits if c_splits > 1 or overlap else 0
     o_part = torch.empty(s_splits + extra, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(s_splits + extra, n, hq, dtype=torch.float32, device=q.device)
-    if s_splits and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
+    if groups and sum(int(g.query_indices.shape[0]) for g, _, _ in groups) < n:
         lse_part[:s_splits].fill_(float("-inf"))  # rows without a prefix: the system side is empty
 
     def system_step():
+        if table is not None:
+            grouped_system_attention_into(q, *prefixes.store, table, scale, o_part[:s_splits], lse_part[:s_splits])
         for g, k_sys, v_sys in groups:
             assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
             system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],

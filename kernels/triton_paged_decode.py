@@ -58,6 +58,17 @@ def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv = k_cache.shape[2]
+    table = meta.prefix_table
+    if table is not None:  # several prefixes as device data: one launch reads each row's from the store
+        assert prefixes.store is not None, "a prefix table needs the prefixes in one store"
+        splits = context_splits(meta, q, hkv, table.max_keys, num_splits, config)
+        out = torch.empty((splits,) + tuple(q.shape), dtype=q.dtype if splits == 1 else torch.float32,
+                          device=q.device)
+        lse = None if splits == 1 else torch.empty((splits,) + tuple(q.shape[:2]), dtype=torch.float32,
+                                                   device=q.device)
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, lse=lse, num_splits=splits,
+                        prefix=prefixes.store, prefix_table=table, config=config)
+        return out[0] if splits == 1 else merge_partials(out, lse, q.dtype, with_lse=False)[0]
     groups = group_prefixes(meta, prefixes)
     longest = max((k.shape[0] for _, k, _ in groups), default=0)
     splits = context_splits(meta, q, hkv, longest, num_splits, config)

@@ -180,6 +180,24 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2,
     return fit_smem(cfg, head_dim, elem)
 
 
+def grouped_config(device: torch.device) -> dict:
+    """The grouped system kernel's tile (kernels/triton_grouped_system.py): decode-sized on
+    the GPU (64 query rows, 64-key tiles); small under the interpreter, so that the tests'
+    tiles straddle groups."""
+    if device.type == "cuda":
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, per_sm=2)
+    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, per_sm=2)
+
+
+def grouped_splits(num_rows: int, num_heads: int, num_kv_heads: int, max_keys: int, device: torch.device) -> int:
+    """The grouped system kernel's split count for num_rows rows of a step whose longest
+    prefix has max_keys keys: split_plan over its row tiles, as for one prefix of that length
+    (a step's rows split among groups give it as many tiles, and each reads its group's keys)."""
+    cfg = grouped_config(device)
+    programs = -(-num_rows * (num_heads // num_kv_heads) // cfg["BLOCK_M"]) * num_kv_heads
+    return split_plan(max_keys, programs, device, cfg["BLOCK_N"], per_sm=cfg["per_sm"])[0]
+
+
 # Own keys a cache block holds on the GPU: the fused decode step (kernels/gluon_fused_relay.py)
 # reads one block a 64-key chunk, by one TMA each for its K and V. Elsewhere 16 (the CPU's
 # kernels gather key by key; a smaller block wastes less of a small cache). The other CUDA

@@ -155,6 +155,14 @@ def print_summary(s: JobSummary) -> None:
         ("time", f"{d['elapsed_seconds']:.1f} s (model load {s.load_seconds:.1f} s)"),
         ("model", f"{escape(s.model)} · {s.dtype} · {s.device} · {s.attention}"),
     ]
+    if d["graphs_available"] and d["decode_steps"]:
+        rows.insert(5, ("decode steps", f"{d['decode_steps']} ({d['graphed_decode_steps']} as CUDA graphs)"))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
+    eager = d["eager_decode_steps"]
+    if d["graphs_available"] and eager > 0.05 * max(d["decode_steps"], 1):
+        why = "; ".join(f"{reason}: {count}" for reason, count in sorted(d["eager_reasons"].items(),
+                                                                          key=lambda kv: -kv[1]))
+        console.print(f"[yellow]warning:[/yellow] {eager} of {d['decode_steps']} decode steps ran without a CUDA "
+                      f"graph, several times slower ({escape(why) or 'no reason recorded'})", highlight=False)

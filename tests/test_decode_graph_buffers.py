@@ -11,9 +11,10 @@ import torch
 from models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
-from relaycli.engine.cuda_graph import BATCH_BUCKETS, DecodeGraphs, pack_block_tables
+from relaycli.engine.cuda_graph import (BATCH_BUCKETS, EAGER_TOO_MANY_PREFIXES, MAX_TABLE_GROUPS, MIXED, DecodeGraphs,
+                                        pack_block_tables)
 from relaycli.engine.engine import Engine, TokenRequest
-from relaycli.engine.sequence import SamplingOptions
+from relaycli.engine.sequence import SamplingOptions, Sequence
 
 
 def test_static_buffers_match_the_eager_decode_step():
@@ -45,6 +46,58 @@ def test_static_buffers_match_the_eager_decode_step():
         for s, t in zip(seqs, eager.argmax(-1).tolist()):
             s.num_cached_own = s.num_own_tokens
             s.output_ids.append(t)
+
+
+def test_a_step_of_several_prefixes_fills_one_graphs_table_and_matches_the_eager_step():
+    """Rows of three prefixes and rows of none in one decode step: one MIXED key whatever
+    the mix, the rows ordered by prefix, and the graph's buffers (the PrefixTable's rows and
+    groups) compute the eager step's logits; a smaller mix after a larger one too."""
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    rng = random.Random()
+    vocab = lm.config.vocab_size
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(3)]
+    engine = Engine(lm, [prefix_from_ids(lm, ids, f"p{i}") for i, ids in enumerate(prefixes)],
+                    EngineConfig(max_num_seqs=16, kv_cache_gb=0.01))
+    for i in range(12):
+        slot = rng.choice([0, 1, 2, None])
+        own = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        engine._admit(TokenRequest(i, str(i), (prefixes[slot] if slot is not None else []) + own,
+                                   SamplingOptions(max_tokens=50), prefix_slot=slot))
+    runner = engine.runner
+    graphs = DecodeGraphs(runner, 16, scratch_block=runner.num_blocks)
+    seqs, _ = engine.scheduler.schedule()
+    runner.run(seqs, True)
+    keys = set()
+    for step in range(4):
+        seqs, is_prefill = engine.scheduler.schedule()
+        if step == 2:
+            seqs = [s for s in seqs if s.prefix_slot in (None, 2)] + [s for s in seqs if s.prefix_slot == 1][:1]
+        key = graphs.key(seqs)
+        assert key is not None and key[2] == (MIXED if len({s.prefix_slot for s in seqs}) > 1 else seqs[0].prefix_slot)
+        keys.add(key[2])
+        seqs = graphs.deal(seqs, key)
+        order = [3 if s.prefix_slot is None else s.prefix_slot for s in seqs]
+        assert order == sorted(order)
+        bs, ctx, slot, _ = key
+        graphs._fill(seqs, bs, ctx, runner.decode_input_ids(seqs, None), mixed=slot == MIXED)
+        graphed = graphs._forward(bs, graphs._meta(key))[:len(seqs)]
+        input_ids, positions, meta, last_rows = runner.prepare(seqs, False)
+        eager = lm.model.compute_logits(lm.model(input_ids, positions, runner.attention.attend_fn(meta))[last_rows])
+        torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
+        for s, t in zip(seqs, eager.argmax(-1).tolist()):
+            s.num_cached_own = s.num_own_tokens
+            s.output_ids.append(t)
+    assert MIXED in keys
+
+
+def test_steps_past_the_graphs_bounds_run_eagerly_and_say_why():
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
+    many = [prefix_from_ids(lm, [i + 1, i + 2], f"p{i}") for i in range(MAX_TABLE_GROUPS + 1)]
+    engine = Engine(lm, many, EngineConfig(max_num_seqs=40, kv_cache_gb=0.01))
+    graphs = DecodeGraphs(engine.runner, 40, scratch_block=engine.runner.num_blocks)
+    seqs = [Sequence(i, [i + 1, i + 2, 7], SamplingOptions(max_tokens=4), 2, i) for i in range(MAX_TABLE_GROUPS + 1)]
+    assert graphs.key(seqs) is None and graphs.eager_reason == EAGER_TOO_MANY_PREFIXES
+    assert graphs.key(seqs[:MAX_TABLE_GROUPS])[2] == MIXED
 
 
 def test_pack_block_tables_equals_padded_lists():

@@ -149,6 +149,8 @@ class _TimedStep:
     """A read-back step as Engine._account sees one on CUDA: the device's end time of it."""
 
     is_timed = True
+    graphed = True
+    eager_reason = None
 
     def __init__(self, is_prefill: bool, end: float, batch: int = 2):
         self.is_prefill, self.end = is_prefill, end

@@ -21,13 +21,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 _MODULES = ["kernels.triton_system_attention", "kernels.triton_context_attention",
-            "kernels.triton_paged_decode", "kernels.triton_ops"]
+            "kernels.triton_grouped_system", "kernels.triton_paged_decode", "kernels.triton_ops"]
 # @triton.jit picks interpreter or compiler at import: re-import modules someone loaded earlier
 for _name in _MODULES:
     if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
         importlib.reload(sys.modules[_name])
 
 from kernels import reference as ref  # noqa: E402
+from kernels.metadata import LayerPrefixes, PrefixTable, prefix_table_rows  # noqa: E402
 from kernels.pdl import pdl_supported  # noqa: E402
 from kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
 from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
@@ -282,6 +283,64 @@ def test_padding_rows_read_nothing_and_leave_the_other_rows_alone(dtype):
         assert torch.isfinite(got).all()  # padding keeps its system part; it is dropped anyway
         if real:
             assert rel_err(got[real], want_relay[real]) < TOL[dtype]
+
+
+def table_problem(rng: random.Random, dtype: torch.dtype, num_groups: int):
+    """A decode step whose rows use several prefixes, ordered by group (rows without a
+    prefix last, some padding rows past the batch), with its PrefixTable over a store."""
+    num_kv, group = rng.choice([(1, 1), (2, 3), (2, 4)])
+    prefix_lens = [rng.randint(1, 150) for _ in range(rng.randint(2, 5))]
+    order = sorted(rng.sample(range(len(prefix_lens)), rng.randint(1, min(num_groups, len(prefix_lens)))))
+    rng.shuffle(order)
+    prefix_of = [slot for slot in order for _ in range(rng.randint(1, 7))]
+    prefix_of += [len(prefix_lens)] * rng.randint(0, 3)  # no prefix
+    n = len(prefix_of)
+    pad = rng.randint(0, 3)
+    ctx = [rng.randint(1, 40) for _ in range(n)] + [1] * pad
+    q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * (n + pad), ctx_lens=ctx,
+                                               prefix_of=prefix_of + [len(prefix_lens)] * pad,
+                                               prefix_lens=prefix_lens, num_q_heads=num_kv * group,
+                                               num_kv_heads=num_kv, head_dim=rng.choice([16, 32]),
+                                               block_size=rng.choice([4, 16]), dtype=dtype, device=DEVICE)
+    meta.context_lens[n:] = 0  # padding rows: no own keys, no prefix, outputs dropped
+    layer = LayerPrefixes.stored(prefixes)
+    slots = [s if s < len(prefix_lens) else None for s in prefix_of] + [None] * pad
+    row_group, rows = prefix_table_rows(slots, prefix_lens, num_groups)
+    table = PrefixTable(torch.tensor(row_group, dtype=torch.int32, device=DEVICE),
+                        torch.tensor(rows, dtype=torch.int32, device=DEVICE), num_groups, max(prefix_lens),
+                        rng.choice([1, 2, 3]))
+    tabled = dataclasses.replace(meta, prefix_groups=[], prefix_table=table, _cache={})
+    return q, kc, vc, layer, meta, tabled, n, 1.0 / math.sqrt(q.shape[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prefix_table_step_equals_the_step_with_its_groups_listed(dtype, seed):
+    """Rows of several prefixes in one step, described as device data (one grouped system
+    launch over the prefix store; the baseline one launch reading each row's prefix range)
+    give what the per-group launches give, for relay and the baseline alike."""
+    rng = random.Random(seed)
+    q, kc, vc, layer, meta, tabled, n, scale = table_problem(rng, dtype, num_groups=rng.choice([5, 8]))
+    qf, kf, vf, pf = upcast(q, kc, vc, list(layer))
+    want_relay = ref.relay_attention(qf, kf, vf, meta, pf, scale)
+    want_base = ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale)
+    for got, want in ((relay_attention(q, kc, vc, tabled, layer, scale), want_relay),
+                      (relay_attention_with(q, kc, vc, tabled, layer, scale, overlap=True), want_relay),
+                      (prefix_paged_attention(q, kc, vc, tabled, layer, scale), want_base),
+                      (baseline_with(q, kc, vc, tabled, layer, scale, num_splits=2), want_base)):
+        assert rel_err(got[:n], want[:n]) < TOL[dtype]
+
+
+def test_prefix_table_rows_number_runs_and_refuse_unordered_rows():
+    row_group, rows = prefix_table_rows([2, 2, 0, None, None], [5, 7, 3], 3)
+    assert row_group == [0, 0, 1, 3, 3]
+    assert rows == [(0, 2, 12, 3), (2, 3, 0, 5), (0, 0, 0, 0), (0, 0, 0, 0)]
+    with pytest.raises(ValueError, match="last"):
+        prefix_table_rows([None, 0], [5], 2)
+    with pytest.raises(ValueError, match="not together"):
+        prefix_table_rows([0, 1, 0], [5, 5], 4)
+    with pytest.raises(ValueError, match="holds 1"):
+        prefix_table_rows([0, 1], [5, 5], 1)
 
 
 def test_relay_without_prefix_groups_is_context_attention():

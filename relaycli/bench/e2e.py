@@ -108,7 +108,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     if graphs is not None:
         graphs.capture_all(max_batch, max(r.input_len + r.output_len for r in shapes), [slot])
     warmup_s = time.perf_counter() - started
-    engine.stats = EngineStats()
+    engine.stats = EngineStats(graphs_available=graphs is not None)
     captures_before = (graphs.num_captures, graphs.capture_seconds) if graphs else (0, 0.0)
     variants_before = triton_variants()
     reqs = requests()

@@ -9,8 +9,12 @@ lazily per (batch bucket, context bucket, prefix slot, system plan) on static in
   against the prefix it reads once for all rows) and their outputs are dropped;
 - context bucket: 256, 1024, 4096, ... above the longest own context; the kernels read
   each row's true length from context_lens, the bucket only sizes their split plan;
-- prefix slot: every sequence of a graphed step shares one loaded prefix (or none),
-  the common case of a job. Other steps run eagerly, computing the same function;
+- prefix slot: the loaded prefix every sequence of the step shares (or none); MIXED
+  where the rows use several (or some use none): the rows are then ordered by prefix,
+  and which rows use which prefix is data in the step's PrefixTable buffers, so one
+  graph serves every mix, up to MAX_TABLE_GROUPS prefixes in a step. A step whose rows
+  all share one prefix keeps a graph of its own, which takes the fused own-key kernel
+  where it pays (its tensor descriptors name the prefix);
 - system plan: relay's split count and kernel for the system step (the fused own-key
   kernel where its bucket allows, else the system kernel's tile), which the step prices
   by its real own keys (their sum, known on the host), not by the bucket's bound. The
@@ -29,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata, PrefixGroup
+from kernels.metadata import AttentionMetadata, PrefixGroup, PrefixTable, prefix_table_rows
 from kernels.triton_plan import fused_program_rows
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import stage
@@ -47,6 +51,14 @@ CONTEXT_BUCKET_GROWTH = 4
 # 256 and own contexts up to 4,096 keys has 42 bucket pairs, and relay's steps about 1.9
 # plans each on llama3-8b heads (all_keys: 68-78 keys under 2,048-16,384 prefix tokens).
 MAX_GRAPHS = 128
+# The prefix slot of a key whose rows use several prefixes, and the most a step may use.
+MIXED = "mixed"
+MAX_TABLE_GROUPS = 16
+
+# Why a decode step ran eagerly (EngineStats counts them).
+EAGER_TOO_LARGE = "batch above the largest graph bucket"
+EAGER_TOO_MANY_PREFIXES = f"more than {MAX_TABLE_GROUPS} prefixes in one step"
+EAGER_GRAPH_LIMIT = f"the {MAX_GRAPHS}-graph limit was reached"
 
 
 class DecodeGraphs:
@@ -70,6 +82,11 @@ class DecodeGraphs:
         self.host_tables = np.empty((self.max_bs, max_blocks), dtype=np.int32)  # staging for block_tables
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
+        # the PrefixTable of MIXED steps (kernels.metadata): each row's group, each group's range
+        self.prefix_lens = [p.num_tokens for p in self.prefixes]
+        self.table_groups = max(1, min(len(self.prefixes), MAX_TABLE_GROUPS))
+        self.row_group = torch.full((self.max_bs,), self.table_groups, dtype=torch.int32, device=dev)
+        self.groups = torch.zeros(self.table_groups + 1, 4, dtype=torch.int32, device=dev)
         # One logits buffer for every graph: each graph's own output would stay allocated
         # (about 65 MB a key at 256 rows of a 128k vocabulary in bf16). Steps run in stream
         # order, so a step's sampling reads its logits before the next replay writes them.
@@ -85,16 +102,23 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_captures = 0
         self.capture_seconds = 0.0  # warm-up forward, kernel compiles and captures of new keys
+        self.eager_reason: str | None = None  # why the last key() gave None
 
     def key(self, seqs: list[Sequence]) -> tuple | None:
-        """The graph that can run this step, or None (mixed prefixes, too large):
-        (batch bucket, context bucket, prefix slot, system plan)."""
-        slot = seqs[0].prefix_slot
-        if any(s.prefix_slot != slot for s in seqs) or len(seqs) > self.max_bs:
+        """The graph that can run this step, or None (eager_reason says why):
+        (batch bucket, context bucket, prefix slot or MIXED, system plan)."""
+        slots = {s.prefix_slot for s in seqs}
+        if len(seqs) > self.max_bs:
+            self.eager_reason = EAGER_TOO_LARGE
             return None
+        if len(slots - {None}) > self.table_groups:
+            self.eager_reason = EAGER_TOO_MANY_PREFIXES
+            return None
+        slot = next(iter(slots)) if len(slots) == 1 else MIXED
         tokens = sum(s.num_own_tokens for s in seqs)
         key = self._bucket(len(seqs), max(s.num_own_tokens for s in seqs), slot, tokens)
         if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            self.eager_reason = EAGER_GRAPH_LIMIT
             return None
         self.key_tokens.setdefault(key, tokens)
         return key
@@ -109,6 +133,8 @@ class DecodeGraphs:
         which leaves the most loaded bin at most one row's chunks above the mean. Any order
         computes the same outputs (each row is its own sequence's); ties keep the given order,
         so a batch whose lengths cross no chunk boundary keeps its rows from step to step."""
+        if key[2] == MIXED:  # by prefix slot, rows without one last; the given order within each
+            return sorted(seqs, key=lambda s: len(self.prefixes) if s.prefix_slot is None else s.prefix_slot)
         plan = key[3]
         if plan is None or plan[1] != "fused":
             return seqs
@@ -131,7 +157,9 @@ class DecodeGraphs:
         ctx = min(context_bucket(longest), self.max_context)
         return bs, ctx, slot, self._plan(bs, slot, tokens, ctx)
 
-    def _plan(self, bs: int, slot: int | None, tokens: int, ctx: int):
+    def _plan(self, bs: int, slot: int | str | None, tokens: int, ctx: int):
+        if slot == MIXED:
+            return self.attention.graphed_table_plan(bs, self.num_heads, max(self.prefix_lens))
         return self.attention.graphed_decode_plan(bs, self.num_heads, slot, tokens, ctx)
 
     def all_keys(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> list[tuple]:
@@ -179,7 +207,7 @@ class DecodeGraphs:
         self.context_lens[lo:hi].fill_(0)  # padding: the kernels skip the row
         self.block_tables[lo:hi, :width].fill_(self.scratch_block)
 
-    def _fill(self, seqs: list[Sequence], bs: int, ctx: int, input_ids: torch.Tensor) -> None:
+    def _fill(self, seqs: list[Sequence], bs: int, ctx: int, input_ids: torch.Tensor, mixed: bool = False) -> None:
         """Write this step's inputs into the graph's buffers. input_ids [n] is on the device
         (it may be the previous step's output, not yet on the host). The host values go
         through pinned memory: a copy from pageable memory may wait for the step still
@@ -204,13 +232,21 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(stage(torch.from_numpy(tables), dev))
         if bs > n:  # rows left from a larger earlier step must not touch real blocks
             self._reset_rows(n, bs, width)
+        if mixed:
+            slots = [s.prefix_slot for s in seqs] + [None] * (bs - n)
+            row_group, groups = prefix_table_rows(slots, self.prefix_lens, self.table_groups)
+            self.row_group[:bs].copy_(stage(torch.tensor(row_group, dtype=torch.int32), dev))
+            self.groups.copy_(stage(torch.tensor(groups, dtype=torch.int32), dev))
 
     def _meta(self, key: tuple) -> AttentionMetadata:
         """The metadata a key's graph is captured with: its buffers, its buckets, and the
         own-key total its system plan is priced at."""
-        bs, ctx, slot, _ = key
-        groups = []
-        if slot is not None:
+        bs, ctx, slot, plan = key
+        groups, table = [], None
+        if slot == MIXED:
+            table = PrefixTable(self.row_group[:bs], self.groups, self.table_groups, max(self.prefix_lens),
+                                plan[0] if plan is not None else 0)
+        elif slot is not None:
             prefix = self.prefixes[slot]
             groups = [PrefixGroup(slot, prefix.num_tokens, self.rows[:bs], self.rows[:bs])]
         return AttentionMetadata(
@@ -218,6 +254,7 @@ class DecodeGraphs:
             context_lens=self.context_lens[:bs], max_context_len=ctx,
             block_tables=self.block_tables[:bs, :-(-ctx // self.block_size)],
             slot_mapping=self.slot_mapping[:bs], block_size=self.block_size, prefix_groups=groups,
+            prefix_table=table,
             # a key without a plan serves every total of its bucket: priced at the bound
             context_tokens=self.key_tokens.get(key) if key[3] is not None else None)
 
@@ -229,8 +266,8 @@ class DecodeGraphs:
     def run(self, seqs: list[Sequence], key: tuple, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [len(seqs), vocab] (the model's dtype) of one decode step, through the graph for key.
         input_ids [len(seqs)] int64 on the device."""
-        bs, ctx, _, _ = key
-        self._fill(seqs, bs, ctx, input_ids)
+        bs, ctx, slot, _ = key
+        self._fill(seqs, bs, ctx, input_ids, mixed=slot == MIXED)
         graph = self.graphs.get(key) or self._capture(key)
         graph.replay()
         self.num_replays += 1

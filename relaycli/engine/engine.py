@@ -51,6 +51,11 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     preemptions: int = 0
+    graphs_available: bool = False  # decode steps can run as CUDA graphs (CUDA, Triton)
+    graphed_decode_steps: int = 0
+    eager_decode_steps: int = 0
+    eager_reasons: dict[str, int] = field(default_factory=dict)  # why decode steps ran eagerly, counted
+    prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
     ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
     decode_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, context, s
     prefill_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, tokens, s
@@ -138,7 +143,7 @@ class Engine:
         self.max_context = loaded.config.max_position_embeddings
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else frozenset(loaded.config.eos_token_ids)
         self.eos_ids = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
-        self.stats = EngineStats()
+        self.stats = EngineStats(graphs_available=self.runner.graphs is not None)
         self._seq_ids = itertools.count()
         self._live: dict[int, _Live] = {}
         self.token_ids_by_row: dict[int, list[int]] | None = {} if record_token_ids else None
@@ -303,6 +308,12 @@ class Engine:
         else:
             st.decode_steps += 1
             st.decode_seconds += seconds
+            if step.graphed:
+                st.graphed_decode_steps += 1
+            else:
+                st.eager_decode_steps += 1
+                if step.eager_reason is not None:
+                    st.eager_reasons[step.eager_reason] = st.eager_reasons.get(step.eager_reason, 0) + 1
             st.decode_step_log.append((len(step.seqs), step.num_context_tokens, seconds))
 
     def _read_back(self, step: StepHandle) -> list[ResultRow]:

@@ -80,16 +80,20 @@ class ModelRunner:
             gib = (self.num_blocks + 1) * self.bytes_per_block() / 1024**3
             raise ValueError(f"the KV cache ({gib:.1f} GiB) does not fit in {self.device}'s memory "
                              f"({type(exc).__name__}); lower --kv-cache-gb or leave it out") from None
-        self.prefixes = [PrefixKV([k.to(self.device, self.dtype) for k in p.keys],
-                                  [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes]
         impl = config.attention_impl
         if impl == "auto":
             impl = default_impl(self.device)
         self.attention_impl = impl
+        # The Triton impl keeps each layer's prefixes in one store: a decode step whose rows
+        # use several of them reads it through a PrefixTable (one graph for any mix).
         self.attention = PagedAttention(self.k_caches, self.v_caches,
-                                        [(p.keys, p.values) for p in self.prefixes],
+                                        [([k.to(self.device, self.dtype) for k in p.keys],
+                                          [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes],
                                         "relay" if config.relay else "no-relay", impl,
-                                        self.mc.head_dim ** -0.5)
+                                        self.mc.head_dim ** -0.5, store=impl == "triton")
+        layers = self.attention.prefix_layers
+        self.prefixes = [PrefixKV([layer[i][0] for layer in layers], [layer[i][1] for layer in layers])
+                         for i in range(len(prefixes))]
         self.layer_ops = layer_ops(impl, self.device)  # fused norm/rope/activation kernels, or None: eager
         self.sampler = Sampler(self.device, "triton" if impl == "triton" else "torch")
         self.graphs = None
@@ -198,8 +202,11 @@ class ModelRunner:
         not yet read back, whose tokens this step's decode inputs may be.
         """
         decode_ids = None
-        key = None if is_prefill or self.graphs is None else self.graphs.key(seqs)
-        if key is not None:  # the rows in the order the graph's plan runs them evenly
+        key = eager_reason = None
+        if not is_prefill and self.graphs is not None:
+            key = self.graphs.key(seqs)
+            eager_reason = self.graphs.eager_reason if key is None else None
+        if key is not None:  # the rows in the order the graph runs them (by prefix; the fused plan's deal)
             seqs = self.graphs.deal(seqs, key)
         num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else len(seqs)
         num_context = sum(s.num_own_tokens for s in seqs)  # decode: the own keys its queries attend to
@@ -220,7 +227,7 @@ class ModelRunner:
             seq.num_cached_own = seq.num_own_tokens
             indices.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER_TOKEN)
-        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context)
+        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context, key is not None, eager_reason)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step, waited for: the next token of each sequence (appended to its output_ids)."""
@@ -239,8 +246,11 @@ class StepHandle:
     and the sampled ids, copied to the host without blocking (read with tokens_list())."""
 
     def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor,
-                 num_new_tokens: int, num_context_tokens: int) -> None:
+                 num_new_tokens: int, num_context_tokens: int, graphed: bool = False,
+                 eager_reason: str | None = None) -> None:
         self.seqs, self.is_prefill, self.indices = seqs, is_prefill, indices
+        self.graphed = graphed  # replayed from a CUDA graph
+        self.eager_reason = eager_reason  # why a decode step that could have been graphed was not
         self.num_new_tokens = num_new_tokens  # tokens this step computed
         self.num_context_tokens = num_context_tokens  # own tokens its queries attend to, summed
         self.tokens = tokens  # [B] int64 on the device: the next step's inputs
