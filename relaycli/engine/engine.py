@@ -56,6 +56,7 @@ class EngineStats:
     eager_decode_steps: int = 0
     eager_reasons: dict[str, int] = field(default_factory=dict)  # why decode steps ran eagerly, counted
     prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
+    device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
     ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
     decode_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, context, s
     prefill_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, tokens, s
@@ -320,7 +321,9 @@ class Engine:
         """Put a finished step's real tokens in place of its placeholders; end sequences."""
         finished = []
         now = None
-        for seq, index, tok in zip(step.seqs, step.indices, step.tokens_list()):
+        tokens = step.tokens_list()
+        self.stats.device_wait_seconds += step.wait_seconds
+        for seq, index, tok in zip(step.seqs, step.indices, tokens):
             live = self._live.get(seq.seq_id)
             if live is None:
                 continue  # it ended at an earlier token; this one was a spare step

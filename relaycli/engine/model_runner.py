@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import numpy as np
 import torch
@@ -256,6 +257,7 @@ class StepHandle:
         self.tokens = tokens  # [B] int64 on the device: the next step's inputs
         self.rows = {s.seq_id: b for b, s in enumerate(seqs)}
         self._event = None  # on CUDA: marks the step done on the device (its tokens copied back)
+        self.wait_seconds = 0.0  # how long reading the tokens back waited for the device
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
@@ -275,6 +277,9 @@ class StepHandle:
         return earlier._event.elapsed_time(self._event) / 1e3
 
     def tokens_list(self) -> list[int]:
-        if self._event is not None:
+        """The sampled ids, waiting for the device if it is not done (wait_seconds: how long)."""
+        if self._event is not None and not self._event.query():
+            started = time.perf_counter()
             self._event.synchronize()
+            self.wait_seconds = time.perf_counter() - started
         return self._host.tolist()
