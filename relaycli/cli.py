@@ -111,14 +111,14 @@ def _interruptible(output_path: Path):
 
 @app.command("compile-prompt")
 def compile_prompt_cmd(
-    sys_txt: Path = typer.Argument(..., help="The system prompt, a UTF-8 text file."),
-    model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file; default: the embedded SmolLM2-135M-Instruct."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Artifact path; default: SYS_TXT with suffix .relaykv."),
+    sys_txt: List[Path] = typer.Argument(..., help="The system prompt, a UTF-8 text file; several compile with one model load."),
+    model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file, dummy:PRESET; default: the embedded SmolLM2-135M-Instruct."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Artifact path (one SYS_TXT only); default: SYS_TXT with suffix .relaykv."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N; default: cuda when available."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress, only errors."),
 ) -> None:
-    """Compile a system prompt into a .relaykv KV artifact."""
+    """Compile system prompts into .relaykv KV artifacts."""
     from relaycli.ui import compile_with_progress
     with _user_errors():
         compile_with_progress(sys_txt, model, out, dtype, device, quiet)

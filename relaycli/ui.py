@@ -36,32 +36,42 @@ def _is_artifact(path: Path) -> bool:
     return True
 
 
-def compile_with_progress(sys_txt: Path, model: str | None, out: Path | None, dtype: str | None,
+def compile_with_progress(sys_txts: list[Path], model: str | None, out: Path | None, dtype: str | None,
                           device: str | None, quiet: bool) -> None:
+    """Every file is checked (readable text, a writable output that is no other file) before
+    the model loads once for all of them."""
     from models.registry import load_model
     from relaycli.compile import compile_prompt, read_system_text
     from relaycli.io.writer import OutputError, check_writable, same_file
 
-    out = out or Path(sys_txt).with_suffix(".relaykv")
-    check_writable(out)  # its folder exists and takes a file, and out is no folder
-    if same_file(sys_txt, out):
-        raise OutputError(f"the output path {out} is the system prompt file {sys_txt} itself; "
-                          "give another --out (the prompt text would be overwritten)")
-    if out.exists() and not _is_artifact(out):
-        # Recompiling over an artifact is what users do; over a request file it loses data.
-        raise OutputError(f"{out} exists and is not a .relaykv artifact; remove it or choose another --out")
-    text = read_system_text(sys_txt)
+    if out is not None and len(sys_txts) > 1:
+        raise OutputError(f"--out names one artifact, and {len(sys_txts)} prompt files were given; leave --out out "
+                          "(each file gets its own .relaykv beside it)")
+    jobs = []
+    for sys_txt in sys_txts:
+        target = out or Path(sys_txt).with_suffix(".relaykv")
+        check_writable(target)  # its folder exists and takes a file, and it is no folder
+        if same_file(sys_txt, target):
+            raise OutputError(f"the output path {target} is the system prompt file {sys_txt} itself; "
+                              "give another --out (the prompt text would be overwritten)")
+        if target.exists() and not _is_artifact(target):
+            # Recompiling over an artifact is what users do; over a request file it loses data.
+            raise OutputError(f"{target} exists and is not a .relaykv artifact; remove it or choose another --out")
+        if any(same_file(target, t) for _, t, _ in jobs):
+            raise OutputError(f"two prompt files would both be compiled to {target}; rename one")
+        jobs.append((sys_txt, target, read_system_text(sys_txt)))
     loaded = load_model(model, dtype, device)
-    with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
-        task = bar.add_task("compile", total=None)
-        result = compile_prompt(loaded, text, out, progress=lambda done, total: bar.update(task, completed=done,
-                                                                                           total=total))
-    if not quiet:
-        console.print(f"[green]wrote[/green] {escape(str(result.path))}: {result.num_tokens} tokens, "
-                      f"{_human_bytes(result.num_bytes)}, {result.seconds:.2f} s "
-                      f"(model {escape(loaded.reference)}, {str(loaded.model.dtype).replace('torch.', '')})",
-                      highlight=False)
+    for sys_txt, target, text in jobs:
+        with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                      TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
+            task = bar.add_task("compile", total=None)
+            result = compile_prompt(loaded, text, target, progress=lambda done, total: bar.update(
+                task, completed=done, total=total))
+        if not quiet:
+            console.print(f"[green]wrote[/green] {escape(str(result.path))}: {result.num_tokens} tokens, "
+                          f"{_human_bytes(result.num_bytes)}, {result.seconds:.2f} s "
+                          f"(model {escape(loaded.reference)}, {str(loaded.model.dtype).replace('torch.', '')})",
+                          highlight=False)
 
 
 def inspect_artifact(path: Path, as_json: bool) -> dict:

@@ -282,3 +282,21 @@ def test_hugging_face_kernels_beside_relay_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(md, "version", lambda name: "0.19.1" if name == "kernels" else real(name))
     result = CliRunner().invoke(app, ["inspect", "missing.relaykv"])
     assert result.exit_code == 2 and "pip uninstall kernels" in result.output
+
+
+def test_several_prompts_compile_with_one_load_and_rows_pick_them_by_name(job, tmp_path):
+    (tmp_path / "bolt.txt").write_text(SYSTEM)
+    (tmp_path / "pirate.txt").write_text("You are a pirate. Answer every question in pirate speak, in one line.")
+    relay("compile-prompt", tmp_path / "bolt.txt", tmp_path / "pirate.txt", "--quiet")
+    refused = relay("compile-prompt", tmp_path / "bolt.txt", tmp_path / "pirate.txt", "--out", tmp_path / "x.relaykv",
+                    check=False)
+    assert refused.returncode == 2 and "--out names one artifact" in refused.stderr
+    rows = [{"id": str(i), "prompt": q, "max_tokens": 4, "temperature": 0, "system_prompt": name}
+            for i, (q, name) in enumerate(zip(QUESTIONS, ["bolt", "pirate"] * 4))]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = tmp_path / "s.json"
+    relay("run", "--in", tmp_path / "r.jsonl", "--out", tmp_path / "o.parquet", "--prompt", tmp_path / "bolt.relaykv",
+          "--prompt", tmp_path / "pirate.relaykv", "--stats-json", stats, "--quiet")
+    out = pq.read_table(tmp_path / "o.parquet").to_pylist()
+    assert len(out) == 8 and all(r["finish_reason"] != "error" for r in out)
+    assert json.loads(stats.read_text())["stats"]["prefix_hits"] == 8
