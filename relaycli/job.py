@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kernels.compile_log import CompileLog
 from models.registry import LoadedModel, load_model
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
@@ -63,6 +64,13 @@ class JobSummary:
     already_complete: bool = False
     output_path: str = ""
     error_rows: int = 0  # error rows in the whole output, earlier runs' included
+    # start-up work inside the job: Triton kernels compiled (a machine's first run) or loaded
+    # from Triton's on-disk cache, and CUDA graphs captured (each a warm-up pass and a capture)
+    triton_kernels_compiled: int = 0
+    triton_compile_seconds: float = 0.0
+    triton_kernels_loaded: int = 0
+    graph_captures: int = 0
+    graph_capture_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -140,12 +148,22 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
             if on_start is not None:
                 on_start(source.num_rows, len(done))
             rows = read_requests(source, opts.defaults, skip=done)
-            with frozen_heap():
-                engine.stats.started = time.perf_counter()  # after the entry's one collection
-                for result in engine.generate(rows):
-                    writer.write(result)
-                    if on_result is not None:
-                        on_result(engine.stats)
+            compiles = CompileLog().install()
+            try:
+                with frozen_heap():
+                    engine.stats.started = time.perf_counter()  # after the entry's one collection
+                    for result in engine.generate(rows):
+                        writer.write(result)
+                        if on_result is not None:
+                            on_result(engine.stats)
+            finally:
+                compiles.uninstall()
+                summary.triton_kernels_compiled = compiles.compiled
+                summary.triton_compile_seconds = compiles.compile_seconds
+                summary.triton_kernels_loaded = compiles.loaded
+                graphs = engine.runner.graphs
+                if graphs is not None:
+                    summary.graph_captures, summary.graph_capture_seconds = graphs.num_captures, graphs.capture_seconds
             writer.finalize(source.num_rows)
         summary.error_rows = writer.error_rows
     finally:

@@ -167,6 +167,10 @@ def print_summary(s: JobSummary) -> None:
     ]
     if d["graphs_available"] and d["decode_steps"]:
         rows.insert(5, ("decode steps", f"{d['decode_steps']} ({d['graphed_decode_steps']} as CUDA graphs)"))
+    if s.triton_kernels_compiled or s.graph_captures:
+        rows.insert(-1, ("start-up in the job", f"{s.triton_kernels_compiled} Triton kernels compiled in "
+                         f"{s.triton_compile_seconds:.1f} s ({s.triton_kernels_loaded} from Triton's cache), "
+                         f"{s.graph_captures} CUDA graphs captured in {s.graph_capture_seconds:.1f} s"))
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

@@ -101,3 +101,22 @@ def test_stop_watch_finds_the_stop_that_a_full_decode_finds(default_model):
             stopped += 1
         checked += 1
     assert checked == 60 and stopped > 20
+
+
+def test_compile_log_counts_compiles_and_cache_loads_and_chains_the_listener_before_it():
+    knobs = pytest.importorskip("triton.knobs")
+    from kernels.compile_log import CompileLog
+    seen = []
+    before = knobs.compilation.listener
+    knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])
+    try:
+        log = CompileLog().install()
+        times = knobs.CompileTimes(ir_initialization=200_000, lowering_stages=[("ttir", 1_000_000)], store_results=0)
+        for hit in (False, True, False):
+            knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+        log.uninstall()
+        assert (log.compiled, log.loaded) == (2, 1) and log.compile_seconds == pytest.approx(2.4)
+        assert seen == [False, True, False]  # the listener installed before still hears every compile
+        assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
+    finally:
+        knobs.compilation.listener = before

@@ -1,0 +1,50 @@
+"""What a process spends compiling Triton kernels: a job's first run on a machine compiles
+each kernel variant it meets (seconds each); later runs load them from Triton's on-disk
+cache. Counted through Triton's compilation listener (knobs.compilation.listener, where
+this Triton has one), chained after any listener already installed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompileLog:
+    compiled: int = 0  # variants compiled in this process (not in the on-disk cache)
+    compile_seconds: float = 0.0
+    loaded: int = 0  # variants found in the on-disk cache
+    _previous: object = None
+    _installed: bool = False
+
+    def install(self) -> "CompileLog":
+        """Start counting (a no-op without Triton or its listener)."""
+        try:
+            from triton import knobs
+            compilation = knobs.compilation
+            self._previous = compilation.listener
+        except (ImportError, AttributeError):
+            return self
+
+        def listener(*, src, metadata, metadata_group, times, cache_hit, **extra):
+            if cache_hit:
+                self.loaded += 1
+            else:
+                self.compiled += 1
+                self.compile_seconds += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+            if self._previous is not None:
+                self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                               cache_hit=cache_hit, **extra)
+
+        compilation.listener = listener
+        self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        if self._installed:
+            from triton import knobs
+            knobs.compilation.listener = self._previous
+            self._installed = False
+
+    def as_dict(self) -> dict:
+        return {"triton_kernels_compiled": self.compiled, "triton_compile_seconds": self.compile_seconds,
+                "triton_kernels_loaded": self.loaded}
