@@ -1,4 +1,7 @@
-"""Shared fixtures: one relay cache folder per test session, the default model once."""
+"""Shared fixtures: one relay cache folder for the whole test run, the default model once.
+
+The tests folder is one package, so package-scoped fixtures live as long as the run.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import torch
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def relay_cache_dir(tmp_path_factory):
     """Tests never touch the user's cache; subprocesses (CLI tests) inherit this too."""
     if "RELAY_CACHE_DIR" not in os.environ:
@@ -20,7 +23,7 @@ def relay_cache_dir(tmp_path_factory):
     return os.environ["RELAY_CACHE_DIR"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def default_model(relay_cache_dir):
     """The embedded default model (SmolLM2-135M-Instruct) in fp32 on CPU."""
     from models.registry import load_model
