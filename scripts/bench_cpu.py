@@ -67,7 +67,7 @@ def run_hf(lm, system_text, questions, max_tokens):
     full = [tok.render([{"role": "system", "content": system_text}, {"role": "user", "content": q}]) for q in questions]
     own = [ids[s:] for ids in full]
     width = max(len(o) for o in own)
-    pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     # System part, then left padding masked out, then the request's own tokens: the
     # positions generate derives from the mask stay those of the unpadded prompt.
     ids = torch.tensor([full[i][:s] + [pad] * (width - len(own[i])) + own[i] for i in range(n)])
