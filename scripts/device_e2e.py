@@ -104,8 +104,7 @@ def dummy_prefix(lm, num_tokens: int, rng: random.Random) -> TokenPrefix:
 
 def dummy_requests(lm, prefix: TokenPrefix, num_requests: int, max_tokens: int, rng: random.Random) -> list:
     """Requests of 4-40 random own tokens after the prefix, each generating exactly max_tokens."""
-    return [TokenRequest(i, str(i), prefix.token_ids + [rng.randrange(lm.config.vocab_size)
-                                                        for _ in range(rng.randint(4, 40))],
+    return [TokenRequest(i, str(i), [rng.randrange(lm.config.vocab_size) for _ in range(rng.randint(4, 40))],
                          SamplingOptions(max_tokens=max_tokens, ignore_eos=True), prefix_slot=0)
             for i in range(num_requests)]
 
@@ -134,12 +133,13 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
     ties = []  # a position: relay's token, transformers' (sdpa, eager), fp32 top-1/2 margin, bf16 logit error
     for req in reqs:
         mine = outs[True][req.row_index]
-        x = torch.tensor([req.prompt_ids], device=device)
+        prompt = prefix.token_ids + req.own_ids
+        x = torch.tensor([prompt], device=device)
         gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                           do_sample=False)[0, x.shape[1]:].tolist()
         whole += gen == mine
-        full = torch.tensor([req.prompt_ids + mine], device=device)
-        at = slice(len(req.prompt_ids) - 1, -1)
+        full = torch.tensor([prompt + mine], device=device)
+        at = slice(len(prompt) - 1, -1)
         with torch.inference_mode():
             logits = hf(full).logits[0, at].float()
             pred = logits.argmax(-1).tolist()

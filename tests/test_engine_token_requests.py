@@ -16,8 +16,8 @@ def test_empty_or_prefix_only_prompts_are_error_rows_and_the_job_goes_on():
     ids = [random.randrange(lm.config.vocab_size) for _ in range(5)]
     prefix = prefix_from_ids(lm, ids)
     engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=4), record_token_ids=True)
-    reqs = [TokenRequest(0, "prefix-only", list(ids), SamplingOptions(max_tokens=3), prefix_slot=0),
-            TokenRequest(1, "ok", ids + [1, 2], SamplingOptions(max_tokens=3, ignore_eos=True), prefix_slot=0),
+    reqs = [TokenRequest(0, "prefix-only", [], SamplingOptions(max_tokens=3), prefix_slot=0),
+            TokenRequest(1, "ok", [1, 2], SamplingOptions(max_tokens=3, ignore_eos=True), prefix_slot=0),
             TokenRequest(2, "empty", [], SamplingOptions(max_tokens=3)),
             TokenRequest(3, "no-prefix", [3, 4], SamplingOptions(max_tokens=3, ignore_eos=True))]
     out = {r.row_index: r for r in engine.generate_tokens(reqs)}
@@ -44,7 +44,7 @@ def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
         engine = Engine(lm, [prefix], config, record_token_ids=True)
         if eos is not None:
             engine.eos_ids = frozenset(eos)
-        reqs = [TokenRequest(i, str(i), ids + own, SamplingOptions(max_tokens=m, ignore_eos=ignore_eos), prefix_slot=0)
+        reqs = [TokenRequest(i, str(i), own, SamplingOptions(max_tokens=m, ignore_eos=ignore_eos), prefix_slot=0)
                 for i, (own, m) in enumerate(zip(owns, max_tokens))]
         out = {r.row_index: r for r in engine.generate_tokens(reqs)}
         return out, engine
@@ -53,7 +53,7 @@ def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
     free = {}
     for i in range(len(owns)):
         engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=1), record_token_ids=True)
-        list(engine.generate_tokens([TokenRequest(i, str(i), ids + owns[i], SamplingOptions(24, ignore_eos=True),
+        list(engine.generate_tokens([TokenRequest(i, str(i), owns[i], SamplingOptions(24, ignore_eos=True),
                                                   prefix_slot=0)]))
         free[i] = engine.token_ids_by_row[i]
     per_block = engine.runner.bytes_per_block()
@@ -95,7 +95,7 @@ def test_decode_step_log_counts_each_steps_batch_and_own_context():
     ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
     prefix = prefix_from_ids(lm, ids)
     shapes = [(rng.randint(1, 30), rng.randint(1, 12)) for _ in range(9)]
-    reqs = [TokenRequest(i, str(i), ids + [rng.randrange(vocab) for _ in range(n_in)],
+    reqs = [TokenRequest(i, str(i), [rng.randrange(vocab) for _ in range(n_in)],
                          SamplingOptions(max_tokens=n_out, ignore_eos=True), prefix_slot=0)
             for i, (n_in, n_out) in enumerate(shapes)]
     engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=rng.randint(2, 5)))

@@ -36,7 +36,7 @@ def _requests(prefixes, vocab, n=90, seed=2):
     for i in range(n):
         slot = rng.choice(list(range(len(prefixes))) + [None])
         own = [rng.randrange(vocab) for _ in range(rng.randint(1, 90))]
-        out.append(TokenRequest(i, str(i), (prefixes[slot] if slot is not None else []) + own,
+        out.append(TokenRequest(i, str(i), own,
                                 SamplingOptions(max_tokens=rng.randint(4, 24), ignore_eos=True), prefix_slot=slot))
     return out
 

@@ -129,7 +129,7 @@ def test_engine_step_with_fused_rope_equals_the_unfused_step():
                                                                  attention_impl="triton"))
     for i in range(3):
         own = [gen.randrange(lm.config.vocab_size) for _ in range(gen.randint(1, 20))]
-        engine._admit(TokenRequest(i, str(i), ids + own, SamplingOptions(max_tokens=8), prefix_slot=0))
+        engine._admit(TokenRequest(i, str(i), own, SamplingOptions(max_tokens=8), prefix_slot=0))
     runner = engine.runner
     for step in range(2):  # a prefill step, then a decode step
         seqs, is_prefill = engine.scheduler.schedule()

@@ -86,11 +86,10 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     can meet. Compiles and captures still paid inside the timed run are reported.
     sampling: temperature, top_p, top_k for every request (its seed is its index); None: greedy."""
     dev = lm.model.device
-    pre_ids = prefix.token_ids if prefix else []
     slot = 0 if prefix else None
 
     def requests(cap: int | None = None, count: int | None = None) -> list[TokenRequest]:
-        return [TokenRequest(i, str(i), pre_ids + own_ids[i],
+        return [TokenRequest(i, str(i), own_ids[i],
                              SamplingOptions(max_tokens=min(r.output_len, cap or r.output_len), ignore_eos=True,
                                              seed=i, **(sampling or {})),
                              prefix_slot=slot) for i, r in enumerate(shapes[:count])]
@@ -128,6 +127,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
            "generated_tokens": st.completion_tokens,
            "exact_lengths": exact, "errors": st.errors, "preemptions": st.preemptions,
            "prefill_s": st.prefill_seconds, "decode_steps": st.decode_steps,
+           "graphed_decode_steps": st.graphed_decode_steps, "eager_decode_steps": st.eager_decode_steps,
            "decode_step_s": st.decode_seconds / st.decode_steps if st.decode_steps else None,
            "decode_queries": sum(r.output_len - 1 for r in shapes),
            "decode_context_sum": sum(decode_context_sum(r.input_len, r.output_len) for r in shapes),

@@ -27,13 +27,16 @@ from relaycli.prompts import PromptError, PromptMatcher
 
 @dataclass
 class TokenRequest:
-    """A request already in token ids (benchmarks, dummy models without a tokenizer)."""
+    """A request in token ids: a row after rendering, or a benchmark's.
+
+    own_ids: the prompt's ids after its loaded prefix (prefix_slot), or all of them where it
+    has none; the prefix's ids are the artifact's and are not repeated here."""
 
     row_index: int
     id: str
-    prompt_ids: list[int]
+    own_ids: list[int]
     sampling: SamplingOptions
-    prefix_slot: int | None = None  # the first prefix_len ids are that loaded prefix
+    prefix_slot: int | None = None
     url: str | None = None
 
 
@@ -171,28 +174,29 @@ class Engine:
             self.stats.prefix_misses += 1
         elif prepared.prefix_slot is not None:
             self.stats.prefix_hits += 1
+            self.stats.prompt_fallbacks += prepared.full_render
         sp = row.sampling
         opts = SamplingOptions(
             max_tokens=sp.max_tokens if sp.max_tokens is not None else self.max_context,
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             seed=sp.seed if sp.seed is not None else row.row_index, stop=tuple(sp.stop),
             ignore_eos=sp.ignore_eos)
-        return TokenRequest(row.row_index, row.id, prepared.prompt_ids, opts, prepared.prefix_slot, row.url)
+        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
         """Queue a request, or return its error row when it can never run."""
-        num_prompt = len(req.prompt_ids)
+        prefix_len = 0 if req.prefix_slot is None else self.runner.prefixes[req.prefix_slot].num_tokens
+        num_prompt = prefix_len + len(req.own_ids)
         if num_prompt >= self.max_context:
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt has {num_prompt} "
                                     f"tokens, the model's context is {self.max_context}; shorten it", req.url)
-        prefix_len = 0 if req.prefix_slot is None else self.runner.prefixes[req.prefix_slot].num_tokens
-        if num_prompt <= prefix_len:
+        if not req.own_ids:
             what = "is empty" if prefix_len == 0 else f"has no token after its {prefix_len}-token shared prefix"
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt {what}; "
                                     "add the request's own text", req.url)
         opts = req.sampling
         max_new = min(opts.max_tokens, self.max_context - num_prompt)
-        seq = Sequence(next(self._seq_ids), list(req.prompt_ids), opts, prefix_len, req.prefix_slot,
+        seq = Sequence(next(self._seq_ids), req.own_ids, opts, prefix_len, req.prefix_slot,
                        arrival_time=time.perf_counter())
         if not self.scheduler.fits_ever(seq, max_new):
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: prompt plus max_tokens needs "
@@ -359,5 +363,5 @@ class Engine:
             cut = first_stop(text, live.watch.stops)
             text = text if cut is None else text[:cut]
         return ResultRow(row_index=live.row_index, id=live.id, text=text, finish_reason=seq.finish_reason,
-                         prompt_tokens=len(seq.prompt_ids), cached_tokens=seq.num_prefix_tokens,
+                         prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prefix_tokens,
                          completion_tokens=seq.num_completion_tokens, error=None, url=live.url)

@@ -42,12 +42,12 @@ class SamplingOptions:
 
 @dataclass(eq=False)  # identity: the scheduler's list operations must not compare token lists
 class Sequence:
-    """Token ids are the whole rendered prompt; the first num_prefix_tokens of them are
-    a loaded shared prefix (prefix_slot), whose KV lives outside the paged cache. Every
-    later token is the sequence's *own*: own token i sits at position num_prefix_tokens + i."""
+    """The rendered prompt is a loaded shared prefix of num_prefix_tokens tokens (prefix_slot),
+    whose KV lives outside the paged cache and whose ids the sequence does not hold, then
+    the sequence's *own* prompt ids: own token i sits at position num_prefix_tokens + i."""
 
     seq_id: int
-    prompt_ids: list[int]
+    own_prompt_ids: list[int]
     sampling: SamplingOptions
     num_prefix_tokens: int = 0
     prefix_slot: int | None = None
@@ -62,16 +62,20 @@ class Sequence:
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):
             raise ValueError("a sequence has a prefix slot exactly when it has prefix tokens")
-        if len(self.prompt_ids) <= self.num_prefix_tokens:
+        if not self.own_prompt_ids:
             raise ValueError("a sequence needs at least one own prompt token after its prefix")
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_prefix_tokens + len(self.own_prompt_ids)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self.num_prefix_tokens + len(self.own_prompt_ids) + len(self.output_ids)
 
     @property
     def num_own_tokens(self) -> int:
-        return self.num_tokens - self.num_prefix_tokens
+        return len(self.own_prompt_ids) + len(self.output_ids)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -82,11 +86,11 @@ class Sequence:
         return self.block_table[i // block_size] * block_size + i % block_size
 
     def own_ids(self) -> list[int]:
-        return self.prompt_ids[self.num_prefix_tokens:] + self.output_ids
+        return self.own_prompt_ids + self.output_ids
 
     @property
     def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+        return self.output_ids[-1] if self.output_ids else self.own_prompt_ids[-1]
 
     @property
     def is_finished(self) -> bool:
