@@ -117,6 +117,9 @@ class AttentionMetadata:
     context_tokens: int | None = None
     # several prefixes in one step, as device data (decode graphs); prefix_groups is then empty
     prefix_table: PrefixTable | None = None
+    # the step is a CUDA graph's (captured, or the eager pass before its capture): plans whose
+    # host work a capture pays once (tensor descriptors, a second stream) are taken
+    graphed: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

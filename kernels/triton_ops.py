@@ -1,10 +1,21 @@
 """Triton attention entry points with the signatures of kernels/reference.py.
 
-relay_attention: one system-attention launch per prefix group (all of its queries and
-the G heads of a KV head stacked, split-K over the prefix into fp32 partials), then one
-paged context launch whose epilogue merges those partials and writes o once. When the
-own contexts are long and the sequences few, the context step is split too; its
-partials then join the system ones in the same buffer and one merge kernel finishes.
+relay_attention puts a step together by the first of these that applies:
+- fused own-key step: a decode step under CUDA-graph capture whose rows all share one
+  prefix, where triton_plan.fused_decode_plan says it pays: kernels/gluon_fused_relay.py
+  (the own keys inside the warp-specialised system program), then the merge kernel;
+- table step: rows of several prefixes given as a PrefixTable (decode graphs): one grouped
+  system launch over the prefix store (kernels/triton_grouped_system.py), then the context
+  step and the merge kernel, on two streams under capture;
+- overlap: other decode steps under capture: the system kernel (all queries of a prefix
+  group and the G heads of a KV head stacked, split-K over the prefix into fp32 partials)
+  and the paged context kernel on two streams at once, the matrix-bound one first, then
+  the merge kernel;
+- fused epilogue: eager steps (prefill, eager decode): one system launch per prefix group,
+  then one paged context launch whose epilogue merges the system partials and writes o
+  once. When the own contexts are long and the sequences few, the context step is split
+  too; its partials then join the system ones in one buffer and the merge kernel finishes.
+Split counts, tiles and order: plan_relay_step here and kernels/triton_plan.py.
 """
 
 from __future__ import annotations
@@ -81,7 +92,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                       meta.context_lens, scale, splits, **fused_tile(n, hq, hkv))[0]
     c_splits = context_splits(meta, q, hkv, 0, ctx_splits, ctx_config, read_ahead=True)
     if overlap is None:
-        overlap = q.is_cuda and meta.is_decode and torch.cuda.is_current_stream_capturing()
+        overlap = q.is_cuda and meta.is_decode and meta.graphed
     s_splits = 0
     if table is not None:
         s_splits = table.num_splits
@@ -108,7 +119,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         for g, k_sys, v_sys in groups:
             assert g.query_indices.dtype == torch.int64, "PrefixGroup.query_indices must be int64"
             system_attention_into(q, k_sys, v_sys, scale, o_part[:s_splits], lse_part[:s_splits],
-                                  rows=g.query_indices, num_splits=s_splits, config=sys_config)
+                                  rows=g.query_indices, num_splits=s_splits, config=sys_config, graphed=meta.graphed)
 
     def context_step():
         paged_attention(q, k_cache, v_cache, meta, scale, out=o_part, lse=lse_part, split_base=s_splits,
@@ -144,10 +155,10 @@ def fused_step_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block tables with unit column stride, and fused_decode_plan's shapes. A graph key's plan
     (graphed_decode_plan) prices the same sizes, so a key says "fused" exactly where its
     captured step takes this path, as long as these layout checks hold (they do for the
-    engine's caches and decode graphs; where one fails, the step takes an older path, the
-    same function)."""
+    engine's caches and decode graphs; where one fails, the step takes another path that
+    computes the same function)."""
     if not (q.is_cuda and meta.is_decode and meta.max_seqlen_q == 1 and len(groups) == 1
-            and torch.cuda.is_current_stream_capturing()):
+            and meta.graphed):
         return None
     (g, k_sys, v_sys), = groups
     n, hq, d = q.shape
@@ -190,10 +201,8 @@ def plan_system(sizes: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
     plans for at most one an SM regardless. work: overlap_work's sizes (needed unless
     resident is False). Where the system kernel fits beside the context, an unforced tile
     is DECODE_TILE, not the warp-specialised one: that claims a whole SM's registers, so no
-    context program runs beside it (H200, llama3-8b heads, graphed relay step, sixteenth
-    session: 111.9 against 114.8 us at batch 256, 2,048 prefix tokens and 300 own; where the
-    system step is the longer one, 8,192 and 128, the warp-specialised tile won, 108.6
-    against 115.2 us).
+    context program would run beside it. Where the system step is the longer one, the
+    warp-specialised tile is the faster. Measured on the H200; docs/kernels.md has the numbers.
     """
     rows = max(n for n, _ in sizes) * (num_heads // num_kv_heads)
     tile = config or system_config(rows, head_dim, device, elem, num_kv_heads)

@@ -117,7 +117,7 @@ def _merge_splits(o, lse, po_ptr, pl_ptr, o_off, lse_off, stride_o_split, stride
     would compile a variant per count, inside a running job), and Triton does not
     pipeline this loop: UNROLL splits are loaded together so their loads are in flight
     at once, and a split past the count merges as lse = -inf, which leaves (o, lse)
-    exactly as it was (_merge_pair is symmetric to the bit).
+    unchanged to the bit (_merge_pair is symmetric to the bit).
     """
     offs_d = tl.arange(0, D)
     for s0 in range(0, num_splits, UNROLL):
@@ -137,7 +137,7 @@ def _system_program(pid_m, h, split, q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_p
                     stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
-    """Row tile pid_m of KV head h against chunk `split` of the prefix (the kernel below, or a relay grid)."""
+    """Row tile pid_m of KV head h against chunk `split` of the prefix (the body of the kernel below)."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = r // G
     head = h * G + r % G
@@ -226,7 +226,7 @@ def check_prefix(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> N
     assert q.device == k_sys.device == v_sys.device, "q and the prefix must be on one device"
 
 
-GLUON_TRITON_VERSIONS = ("3.6.",)  # Gluon is experimental: used only where its API was tested
+GLUON_TRITON_VERSIONS = ("3.6.",)  # Gluon is experimental: taken only on the releases its API is tested on
 
 
 def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> bool:
@@ -239,12 +239,15 @@ def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> b
 
 def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                           o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None = None,
-                          num_splits: int | None = None, config: dict | None = None) -> None:
+                          num_splits: int | None = None, config: dict | None = None,
+                          graphed: bool = False) -> None:
     """Write per-split results of q[rows] against the prefix into o_part[s, rows], lse_part[s, rows].
 
     q [N, Hq, D]; k_sys/v_sys [S, Hkv, D]; rows [n] int64 or None (all N rows);
     o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32.
     num_splits must equal o_part.shape[0]; a chunk with no keys gets (0, -inf).
+    graphed: the step is a CUDA graph's (captured, or its first pass run eagerly): a config's
+    gluon/tma None then mean yes, since their host work (tensor descriptors) is paid once.
     """
     check_prefix(q, k_sys, v_sys)
     n_q = q.shape[0] if rows is None else rows.shape[0]
@@ -263,8 +266,8 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     gluon = cfg.pop("gluon", False)
     ws = cfg.pop("ws", False)
     ws_kw = {"ws_regs": cfg.pop("ws_regs")} if "ws_regs" in cfg else {}
-    if gluon is None:  # as tma=None: inside CUDA-graph capture, where descriptors cost no host time
-        gluon = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if gluon is None:  # as tma=None: a graph's step, whose descriptors are built once
+        gluon = q.is_cuda and graphed
     if gluon and gluon_usable(q, k_sys, v_sys):
         from kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
@@ -276,7 +279,7 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     seq_len = k_sys.shape[0]
     tma = cfg.pop("tma", False)
     if tma is None:
-        tma = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        tma = q.is_cuda and graphed
     tma = tma and seq_len >= cfg["BLOCK_N"] and tma_ok(k_sys) and tma_ok(v_sys)
     per = math.ceil(math.ceil(max(seq_len, 1) / splits) / cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q * group, cfg["BLOCK_M"]), hkv, splits)

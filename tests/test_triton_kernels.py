@@ -427,6 +427,7 @@ def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan
     q, kc, vc, prefixes, meta = random_problem(q_lens=[1] * batch, ctx_lens=ctx, prefix_of=[0] * batch,
                                                prefix_lens=[prefix], num_q_heads=32, num_kv_heads=8,
                                                head_dim=128, dtype=dtype, device="cuda")
+    meta = dataclasses.replace(meta, graphed=True, _cache={})
     if bucket is not None:
         meta = dataclasses.replace(meta, max_context_len=bucket, context_tokens=sum(ctx), _cache={})
     scale = 128 ** -0.5
@@ -435,10 +436,10 @@ def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan
     monkeypatch.setattr(gsa, "gluon_system_attention_into",
                         lambda *a, **kw: (kinds.append(kw["ws"]), real(*a, **kw))[1])
     out = torch.empty_like(q)
-    for _ in range(2):  # the first capture compiles what runs only under capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale))
+    out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale))  # a graph's eager pass compiles its kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(relay_attention_with(q, kc, vc, meta, prefixes, scale))
     assert kinds and set(kinds) == {want_ws}, kinds
     q.copy_(torch.randn_like(q))
     graph.replay()
@@ -545,8 +546,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
 @gpu
 @pytest.mark.gpu
 def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
-    """The default decode config: eager calls run Triton, a captured CUDA graph the Gluon
-    kernel (on Hopper), and both match the reference."""
+    """The default decode config: an eager step runs Triton, a CUDA graph's step (its eager
+    pass and its capture) the Gluon kernel (on Hopper), and both match the reference."""
     import kernels.gluon_system_attention as gsa
     from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
     q = torch.randn(96, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -563,9 +564,12 @@ def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
     assert not calls, "an eager call took the Gluon kernel"
     eager = merge_partials(o_part, lse_part, q.dtype)[0]
     o_part.zero_()
+    system_attention_into(q, k, v, 128 ** -0.5, o_part, lse_part, None, 4, graphed=True)
+    assert calls, "a graph's eager pass did not take the Gluon kernel"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        system_attention_into(q, k, v, 128 ** -0.5, o_part, lse_part, None, 4)
+        system_attention_into(q, k, v, 128 ** -0.5, o_part, lse_part, None, 4, graphed=True)
+    o_part.zero_()
     graph.replay()
     assert calls, "the captured call did not take the Gluon kernel"
     o, lse = merge_partials(o_part, lse_part, q.dtype)

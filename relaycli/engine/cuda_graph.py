@@ -98,10 +98,9 @@ class DecodeGraphs:
         # or capture_all's sample); any total of the key plans the same
         self.key_tokens: dict[tuple, int] = {}
         self.pool = None
-        self._warmup_graphs: list[torch.cuda.CUDAGraph] = []  # a shared pool needs its graphs alive
         self.num_replays = 0
         self.num_captures = 0
-        self.capture_seconds = 0.0  # warm-up forward, kernel compiles and captures of new keys
+        self.capture_seconds = 0.0  # captures of new keys (their first step's eager pass not included)
         self.eager_reason: str | None = None  # why the last key() gave None
 
     def key(self, seqs: list[Sequence]) -> tuple | None:
@@ -196,7 +195,9 @@ class DecodeGraphs:
         for key in self.all_keys(max_num_seqs, max_context, slots):
             if key not in self.graphs:
                 self._reset_rows(0, key[0], -(-key[1] // self.block_size))
-                self._capture(key)
+                meta = self._meta(key)
+                self._forward(key[0], meta)  # compiles the plan's kernels (on the scratch block)
+                self._capture(key, meta)
         return len(self.graphs) - before
 
     def _reset_rows(self, lo: int, hi: int, width: int) -> None:
@@ -256,7 +257,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:bs], block_size=self.block_size, prefix_groups=groups,
             prefix_table=table,
             # a key without a plan serves every total of its bucket: priced at the bound
-            context_tokens=self.key_tokens.get(key) if key[3] is not None else None)
+            context_tokens=self.key_tokens.get(key) if key[3] is not None else None, graphed=True)
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
@@ -265,29 +266,29 @@ class DecodeGraphs:
 
     def run(self, seqs: list[Sequence], key: tuple, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [len(seqs), vocab] (the model's dtype) of one decode step, through the graph for key.
-        input_ids [len(seqs)] int64 on the device."""
+        input_ids [len(seqs)] int64 on the device. A key's first step runs its graph's plan
+        eagerly on the graph's buffers (compiling any kernel it needs; the step's answer), and
+        then the graph is captured, once, for every later step of the key."""
         bs, ctx, slot, _ = key
         self._fill(seqs, bs, ctx, input_ids, mixed=slot == MIXED)
-        graph = self.graphs.get(key) or self._capture(key)
-        graph.replay()
-        self.num_replays += 1
+        graph = self.graphs.get(key)
+        if graph is None:
+            meta = self._meta(key)
+            self._forward(bs, meta)
+            self._capture(key, meta)
+        else:
+            graph.replay()
+            self.num_replays += 1
         return self.logits[:len(seqs)]
 
-    def _capture(self, key: tuple) -> torch.cuda.CUDAGraph:
-        """Capture the step for key on the buffers as they are (filled, or reset)."""
+    def _capture(self, key: tuple, meta: AttentionMetadata) -> torch.cuda.CUDAGraph:
+        """Capture the step for key on the buffers as they are (filled, or reset). Every kernel
+        it launches must have run before (an eager pass of the same plan compiles them)."""
         started = time.perf_counter()
-        bs = key[0]
-        meta = self._meta(key)
-        # Eager warm-up compiles the kernels; a first, discarded capture compiles the
-        # variants that only run under capture (see kernels/triton_ops.py).
-        self._forward(bs, meta)
-        for attempt in range(2):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(bs, meta)
-            self.pool = graph.pool()
-            if attempt == 0:
-                self._warmup_graphs.append(graph)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(key[0], meta)
+        self.pool = graph.pool()
         self.graphs[key] = graph
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - started
