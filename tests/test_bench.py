@@ -98,17 +98,18 @@ def test_prefill_and_job_floor_by_hand():
     from relaycli.bench.report import job_table
     from relaycli.bench.roofline import prefill_floor
     ceil = Ceilings(bandwidth=1000.0, matmul_rate=1000.0)
-    # inputs of 2 and 3 tokens after a 10-token prefix: 5 tokens through the weights,
+    # inputs of 2 and 3 tokens after a 10-token prefix: 5 tokens through the layers'
+    # weights (1232 - 80 lm_head params), each request's last one through the lm_head,
     # each attends to the 10 prefix keys, and 1+2 + 1+2+3 = 9 own (causal) pairs
     f = prefill_floor(SHAPE, 10, [2, 3], ceil)
-    assert f.flops == 2 * 1232 * 5 + 4 * 2 * 2 * 4 * (5 * 10 + 9) == 16096 and f.bytes == 2544
-    assert f.seconds == pytest.approx(16.096) and f.bound == "flops"
+    assert f.flops == 2 * 1152 * 5 + 2 * 80 * 2 + 4 * 2 * 2 * 4 * (5 * 10 + 9) == 15616 and f.bytes == 2544
+    assert f.seconds == pytest.approx(15.616) and f.bound == "flops"
     # the job: that prefill, then two decode steps of the hand case (batch 3, context 15)
     relay = {"system": "relay", "system_tokens": 10, "max_batch": 4, "requests": 2, "seconds": 100.0,
              "generated_tokens": 6, "decode_steps": 2, "decode_queries": 6, "decode_context_sum": 30,
              "decode_step_s": 20.0, "decode_step_log": [[3, 15, 20.0], [3, 15, 20.0]]}
     price_decode(relay, SHAPE, 10, ceil, input_lens=[2, 3])
-    assert relay["job_floor_s"] == pytest.approx(16.096 + 2 * 10.272)
+    assert relay["job_floor_s"] == pytest.approx(15.616 + 2 * 10.272)
     assert relay["job_floor_fraction"] == pytest.approx(relay["job_floor_s"] / 100.0)
     assert relay["job_floor_requests_per_s"] == pytest.approx(2 / relay["job_floor_s"])
     base = dict(relay, system="no-relay", seconds=300.0, job_floor_fraction=relay["job_floor_s"] / 300.0)
@@ -434,3 +435,99 @@ def test_gpu_timer_leaves_the_flush_out_of_the_timed_region():
     # must time as almost nothing, whichever way the L2 is emptied.
     for flush in ("clean", "dirty"):
         assert 0 < cuda_median_us(lambda: x[:1].add_(1), flush) < 30
+
+
+# ---- --through-run: the workload through `relay run` -------------------------------------
+
+
+def test_through_run_texts_have_the_asked_token_lengths():
+    """The system text's compiled prefix and each user prompt's own tokens (the rendered
+    chat after the prefix, tokenized whole) have the asked lengths; below the template's
+    own tokens, the shortest reachable."""
+    import random
+
+    from models.registry import load_model
+    from relaycli.bench.run_texts import TextFitError, WordBank, fit_system_text, fit_user_rows
+    from relaycli.compile import TokenPrefix, shared_prefix_ids
+    from relaycli.prompts import PromptMatcher
+    tok = load_model("dummy:tiny", "float32", "cpu").tokenizer
+    bank = WordBank(tok)
+    assert bank.exact and all(len(tok.encode(w)) == 1 for w in bank.words[:200])
+    assert all(len(tok.encode(w[1:])) == 1 for w in bank.heads[:200])
+    rng = random.Random(3)
+    for s in (9, 100, 1000):
+        system = fit_system_text(tok, bank, s, rng)
+        assert len(shared_prefix_ids(tok, system.text)) == len(system.prefix_ids) == s
+    with pytest.raises(TextFitError, match="--system-tokens 2 is shorter than"):
+        fit_system_text(tok, bank, 2, rng)
+    matcher = PromptMatcher(tok, [TokenPrefix("sys", system.prefix_ids, [], [], system.text)])
+    rows = fit_user_rows(matcher, bank, [1, 2, 9, 50, 300], rng)
+    own = [len(tok.encode(tok.render_text([{"role": "system", "content": system.text},
+                                           {"role": "user", "content": r.text}]))) - 1000 for r in rows]
+    assert own[2:] == [9, 50, 300] and [len(r.own_ids) for r in rows] == own
+    assert 2 < own[0] == own[1] < 9  # one word and the template's own tokens around it
+    assert len({r.text for r in rows}) == len(rows)
+
+
+def test_bench_e2e_through_run(tmp_path):
+    """--through-run: rows.jsonl through `relay run` (one answer a row, no error rows)
+    beside the engine alone on the same token ids: the same generated tokens and texts."""
+    import pyarrow.parquet as pq
+
+    from relaycli.artifact import read_artifact
+    out_json, keep = tmp_path / "run.json", tmp_path / "files"
+    args = ["bench", "e2e", "--through-run", "--model", "dummy:tiny", "--workload", "fixed-24-5", "--requests", "3",
+            "--system-tokens", "40", "--max-batch", "4", "--device", "cpu", "--threads", "1"]
+    res = CliRunner().invoke(app, [*args, "--keep", str(keep), "--json", str(out_json), "--quiet"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out_json.read_text())
+    assert report["kind"] == "e2e-through-run" and report["files"] == str(keep)
+    rows = {r["system"]: r for r in report["rows"]}
+    assert set(rows) == {"relay", "no-relay"} and len(report["rows"]) == 2
+    for r in rows.values():
+        assert (r["system_tokens"], r["prefix_tokens"], r["max_batch"], r["requests"]) == (40, 40, 4, 3)
+        assert r["host_own_tokens_exact"] == 3 and r["own_tokens_mean"] == 24
+        assert r["run_rows"] == 3 and r["run_error_rows"] == 0 and r["run_exact_lengths"]
+        assert r["run_generated_tokens"] == r["engine_generated_tokens"] == 3 * 5 and r["same_generated_tokens"]
+        assert r["same_text_as_engine"] == "3/3"  # fp32 greedy: the same answers both ways
+        assert r["run_prefix_hits"] == 3 and r["run_prefix_misses"] == 0 and r["run_cached_tokens"] == 3 * 40
+        assert r["run_decode_steps"] == r["run_graphed_decode_steps"] + r["run_eager_decode_steps"] == 4
+        assert 0 < r["run_job_s"] < r["run_process_s"]
+        assert 0 < r["run_prefill_s"] and 0 < r["run_decode_s"]
+        assert r["run_requests_per_s"] == pytest.approx(3 / r["run_job_s"])
+        assert r["run_over_engine"] == pytest.approx(r["run_requests_per_s"] / r["engine_requests_per_s"])
+        assert min(r["host_read_parse_us"], r["host_render_us"], r["host_prepare_us"]) > 0
+        assert r["host_us_per_row"] == pytest.approx(r["host_read_parse_us"] + r["host_prepare_us"])
+    relay, base = rows["relay"], rows["no-relay"]
+    assert relay["engine_speedup_vs_no_relay"] == pytest.approx(
+        relay["engine_requests_per_s"] / base["engine_requests_per_s"])
+    assert relay["run_speedup_vs_no_relay"] == pytest.approx(relay["run_requests_per_s"] / base["run_requests_per_s"])
+    assert "engine_speedup_vs_no_relay" not in base
+    # The files a user can rerun: the rows, the artifact of S tokens, one answer per row.
+    lines = [json.loads(x) for x in (keep / "s40" / "rows.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in x.items() if k != "prompt"} for x in lines] == [
+        {"id": str(i), "max_tokens": 5, "ignore_eos": True, "temperature": 0.0, "top_p": 1.0, "seed": i}
+        for i in range(3)]
+    assert len(read_artifact(keep / "s40" / "sys.relaykv").token_ids) == 40
+    for system in ("relay", "no-relay"):
+        answers = pq.read_table(keep / "s40" / f"answers-{system}-b4.parquet").to_pylist()
+        assert [a["id"] for a in answers] == ["0", "1", "2"]
+        assert all((a["finish_reason"], a["prompt_tokens"], a["cached_tokens"], a["completion_tokens"])
+                   == ("length", 64, 40, 5) for a in answers)
+    assert "run/engine" in res.stdout and "no-relay" in res.stdout and "host work per row" in res.stdout
+    shown = CliRunner().invoke(app, ["bench", "show", str(out_json)])
+    assert shown.exit_code == 0 and "--through-run" in shown.stdout
+    again = CliRunner().invoke(app, [*args, "--keep", str(keep)])  # the folder holds a run already
+    assert again.exit_code == 2 and "already holds a run" in again.output
+
+
+def test_bench_through_run_refuses_bad_options(tmp_path):
+    cases = [(["--keep", str(tmp_path)], "--keep keeps the files of --through-run"),
+             (["--through-run", "--systems", "relay,hf"], "drop 'hf' from --systems"),
+             (["--through-run", "--plot", str(tmp_path / "p.png")], "drop --plot with --through-run"),
+             (["--through-run", "--hf-requests", "2"], "--hf-requests is for transformers runs"),
+             (["--through-run", "--system-tokens", "64,64"], "--system-tokens lists 64 more than once"),
+             (["--through-run", "--system-tokens", "3", "--requests", "1"], "--system-tokens 3 is shorter than")]
+    for extra, message in cases:
+        res = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--device", "cpu", *extra])
+        assert res.exit_code == 2 and message in res.output, (extra, res.output)

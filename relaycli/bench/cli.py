@@ -3,6 +3,7 @@
     relay bench                 a short default of both (about a minute on CPU)
     relay bench kernels [...]   decode attention: relay vs --no-relay vs per-request SDPA
     relay bench e2e [...]       whole engine: relay vs --no-relay vs transformers generate
+    relay bench e2e --through-run   the same rows through `relay run`, beside the engine alone
 
 Options left out take defaults that depend on the device (small on CPU).
 """
@@ -111,18 +112,47 @@ def _save(reports: list[dict], json_path: Optional[Path], plot_path: Optional[Pa
             _err.print(f"[green]wrote[/green] {escape(str(plot_path))}", highlight=False)
 
 
+def _given(model, workload, requests, system_tokens, max_batch, systems, max_output_len) -> dict:
+    """The e2e options given on the command line (None: left to the defaults)."""
+    given = dict(model=model, workload=workload, requests=requests,
+                 system_tokens=_ints(system_tokens, "--system-tokens"),
+                 max_batch=_ints(max_batch, "--max-batch"), max_output_len=max_output_len,
+                 systems=[s.strip() for s in systems.split(",") if s.strip()] if systems else None)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,
          hf_requests, kv_cache_gb, quiet, short=False, sampling: dict | None = None, repeats: int = 1) -> dict:
     from relaycli.bench.e2e import E2EOptions, run_e2e
-    given = dict(model=model, workload=workload, requests=requests,
-                 system_tokens=_ints(system_tokens, "--system-tokens"),
-                 max_batch=_ints(max_batch, "--max-batch"), max_output_len=max_output_len, hf_requests=hf_requests,
-                 systems=[s.strip() for s in systems.split(",") if s.strip()] if systems else None)
-    opts = {**default_e2e(_is_cuda(device), short), **{k: v for k, v in given.items() if v is not None}}
+    given = _given(model, workload, requests, system_tokens, max_batch, systems, max_output_len)
+    if hf_requests is not None:
+        given["hf_requests"] = hf_requests
+    opts = {**default_e2e(_is_cuda(device), short), **given}
     report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb,
                                 repeats=repeats, **(sampling or {})), _progress(quiet))
     _print_e2e(report)
     return report
+
+
+def _through_run(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed,
+                 max_output_len, hf_requests, kv_cache_gb, quiet, sampling: dict, repeats: int,
+                 keep: Optional[Path]) -> dict:
+    """The e2e defaults without the transformers peer and without S = 0 (rows need a prompt)."""
+    from relaycli.bench.e2e import E2EOptions
+    from relaycli.bench.through_run import SYSTEMS, run_through
+    defaults = default_e2e(_is_cuda(device))
+    defaults.update(system_tokens=[s for s in defaults["system_tokens"] if s > 0], systems=list(SYSTEMS),
+                    hf_requests=hf_requests)
+    opts = {**defaults, **_given(model, workload, requests, system_tokens, max_batch, systems, max_output_len)}
+    report = run_through(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb,
+                                    repeats=repeats, **sampling), keep, _progress(quiet))
+    _print_through_run(report)
+    return report
+
+
+def _print_through_run(report: dict) -> None:
+    from relaycli.bench.run_report import host_table, through_run_table
+    _out().print(through_run_table(report), host_table(report))
 
 
 def _print_e2e(report: dict) -> None:
@@ -194,17 +224,31 @@ def e2e_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus filter of sampled requests (with --temperature)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k filter of sampled requests (with --temperature)."),
     repeats: int = typer.Option(1, "--repeats", help="Runs of each engine system, alternating; rows report the run of median time (transformers runs once)."),
+    through_run: bool = typer.Option(False, "--through-run", help="Run the rows as text through `relay run` too, "
+                                     "beside the engine alone on the same rows, with the host's per-row costs."),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="--through-run: keep its prompts, rows, answers and "
+                                        "stats in this new folder (default: deleted)."),
     json_path: Optional[Path] = _JSON,
     plot_path: Optional[Path] = _PLOT,
     threads: Optional[int] = _THREADS,
     quiet: bool = _QUIET,
 ) -> None:
     """Throughput of relay, --no-relay and transformers' generate on one workload."""
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     with _refusals(threads):
         _check_outputs(json_path, plot_path)
+        if keep is not None and not through_run:
+            raise ValueError("--keep keeps the files of --through-run; add --through-run or drop --keep")
+        if through_run:
+            if plot_path is not None:
+                raise ValueError("--plot draws engine-only runs; drop --plot with --through-run (use --json)")
+            report = _through_run(model, workload, requests, system_tokens, max_batch, systems, dtype, device,
+                                  seed, max_output_len, hf_requests, kv_cache_gb, quiet, sampling, repeats, keep)
+            _save([report], json_path, None, quiet)
+            return
         report = _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed,
                       max_output_len, hf_requests, kv_cache_gb, quiet,
-                      sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k), repeats=repeats)
+                      sampling=sampling, repeats=repeats)
         _save([report], json_path, plot_path, quiet)
 
 
@@ -252,13 +296,18 @@ def show_cmd(
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
             found = data.get("reports", [data]) if isinstance(data, dict) else []
-            if not found or any(not isinstance(r, dict) or r.get("kind") not in ("e2e", "kernels") for r in found):
+            kinds = ("e2e", "kernels", "e2e-through-run")
+            if not found or any(not isinstance(r, dict) or r.get("kind") not in kinds for r in found):
                 raise ValueError(f"{path}: not a file written by relay bench --json")
             reports += found
         reports = merge_reports(reports)
+        if plot_path is not None and any(rep["kind"] == "e2e-through-run" for rep in reports):
+            raise ValueError("--plot draws engine-only runs; drop --plot for --through-run results")
         for rep in reports:
             if rep["kind"] == "e2e":
                 _print_e2e(rep)
+            elif rep["kind"] == "e2e-through-run":
+                _print_through_run(rep)
             else:
                 _out().print(kernels_table(rep))
         _save(reports, json_path, plot_path, False)

@@ -120,12 +120,16 @@ def decode_context_sum(input_len: int, output_len: int) -> int:
 
 def prefill_floor(shape: ModelShape, system_tokens: int, input_lens, ceil: Ceilings) -> Floor:
     """Floor of prefilling requests' own inputs after an S-token shared prefix: every
-    input token goes through the weights' products and attends to the prefix and to its
-    own earlier tokens. Bytes: the weights once (prefill is bound by flops)."""
+    input token goes through the layers' products and attends to the prefix and to its
+    own earlier tokens; only each request's last token goes through the lm_head (the
+    engine computes no other prefill logits). Bytes: the weights once (prefill is bound
+    by flops)."""
     own = sum(input_lens)
     causal = sum(n * (n + 1) // 2 for n in input_lens)
     attn = 4 * shape.layers * shape.q_heads * shape.head_dim * (own * system_tokens + causal)
-    return floor_of(shape.weight_bytes, 2 * shape.matmul_params * own + attn, ceil)
+    head = shape.vocab * shape.hidden
+    return floor_of(shape.weight_bytes, 2 * (shape.matmul_params - head) * own + 2 * head * len(input_lens) + attn,
+                    ceil)
 
 
 LARGE_BATCH = 64  # issue 6 holds decode steps of this batch and more to their floor
