@@ -1,8 +1,19 @@
-"""Random-weight presets in real architectures' shapes, for benchmarks only."""
+"""Random-weight presets in real architectures' shapes, for benchmarks and tests.
+
+A preset fixes the shapes of the layers; the vocabulary and the end-of-sequence ids
+follow the tokenizer the model is run with (the registry gives every preset the default
+model's), so that rendered chats and `relay run` work on random weights too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from models.config import ModelConfig
+from models.llama import CausalLM
+from models.weights import init_random_weights
 
 _LLAMA2 = dict(architecture="LlamaForCausalLM", vocab_size=32000, max_position_embeddings=4096,
                rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -26,14 +37,28 @@ PRESETS: dict[str, dict] = {
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True),
-    # Small shapes for tests and CPU smoke runs.
+    # Small shapes for tests and CPU runs, with a context long enough for long prompts.
     "tiny": dict(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0),
+                 max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0),
 }
 
 
-def dummy_config(preset: str) -> ModelConfig:
+def dummy_config(preset: str, tokenizer=None) -> ModelConfig:
+    """The preset's config; with a tokenizer, its vocabulary size and end-of-sequence ids
+    replace the preset's (the shapes of the layers stay the preset's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown dummy preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    return ModelConfig(**PRESETS[preset])
+    config = ModelConfig(**PRESETS[preset])
+    if tokenizer is None:
+        return config
+    return dataclasses.replace(config, vocab_size=int(tokenizer.vocab_size),
+                               eos_token_ids=sorted(int(e) for e in tokenizer.eos_token_ids))
+
+
+def dummy_model(preset: str, tokenizer, dtype: torch.dtype, device, seed: int) -> CausalLM:
+    """The preset with the tokenizer's vocabulary and seeded random weights: the same seed
+    gives the same weights in every process, so an artifact compiled in one fits another."""
+    model = CausalLM(dummy_config(preset, tokenizer), dtype, device)
+    init_random_weights(model, seed)
+    return model

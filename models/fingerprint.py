@@ -25,6 +25,31 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def stat_record(path: Path) -> dict:
+    """What changes when a file is written, replaced, touched or copied."""
+    st = Path(path).stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def sample_sha256(path: Path, head: int, windows: int = 8, window: int = 1 << 20) -> str:
+    """sha256 of the file's size, its first `head` bytes (a safetensors header) and
+    `windows` windows of `window` bytes spread evenly from its start to its end: a few
+    MiB read whatever the file's size. It tells a file apart from a truncated, padded or
+    partly copied one and from one whose header changed; a change elsewhere needs the
+    full sha256 to be seen."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        h.update(f"{size}|{head}|".encode())
+        f.seek(0)
+        h.update(f.read(head))
+        span = max(size - window, 0)
+        for k in range(windows):
+            f.seek(span * k // max(windows - 1, 1))
+            h.update(f.read(window))
+    return h.hexdigest()
+
+
 def file_fingerprint(path: Path) -> str:
     """sha256 of the file's bytes; re-hashed only when its size or mtime changed."""
     path = Path(path).resolve()

