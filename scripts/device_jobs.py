@@ -1,0 +1,146 @@
+"""Whole `relay run` jobs as a user runs them (the CLI on a JSONL file, whole process), on a
+CUDA machine: the numbers docs/benchmarks.md quotes for the product path.
+
+  examples  the default model on examples/requests.jsonl cycled to 2,000 rows, 64 tokens a
+            row, against examples/system_prompt.txt: relay as the file is (two of its 120
+            rows bring their own system prompt), relay without those two rows, --no-relay;
+            then the README's main job (120 rows)
+  mixed     dummy:llama3-8b (random weights, the default model's tokenizer): 8 system
+            prompts of 2,048-8,192 tokens evenly mixed, 5% of rows with a system prompt of
+            their own, 2,000 rows of 32 prompt and 64 generated tokens; relay and --no-relay
+  cold      the examples job with an empty Triton cache, relay and --no-relay (the first
+            run on a machine: what it compiles)
+
+Each run writes its stats JSON; the summary of every run goes to $OUT/jobs.json.
+Usage: python scripts/device_jobs.py [examples] [mixed] [cold]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT", "out"))
+RELAY = [sys.executable, "-c", "from relaycli.cli import entry; entry()"]
+
+
+def relay(*args, env=None) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    res = subprocess.run(RELAY + [str(a) for a in args], capture_output=True, text=True, env=env)
+    took = time.perf_counter() - started
+    if res.returncode != 0:
+        print(res.stderr[-3000:], flush=True)
+        raise SystemExit(f"relay {' '.join(map(str, args[:2]))} failed ({res.returncode})")
+    return took, res
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_job(name: str, work: Path, rows: Path, prompts: list[Path], *extra, env=None) -> dict:
+    stats = work / f"{name}.stats.json"
+    out = work / f"{name}.parquet"
+    args = ["run", "--in", rows, "--out", out, "--stats-json", stats, "--quiet"]
+    for p in prompts:
+        args += ["--prompt", p]
+    seconds, _ = relay(*args, *extra, env=env)
+    s = json.loads(stats.read_text())
+    st = s["stats"]
+    row = {"job": name, "process_seconds": round(seconds, 2), "job_seconds": round(st["elapsed_seconds"], 2),
+           "rows": st["rows"], "errors": st["errors"], "rows_per_second": round(st["rows_per_second"], 1),
+           "decode_steps": st["decode_steps"], "graphed_decode_steps": st["graphed_decode_steps"],
+           "eager_reasons": st["eager_reasons"], "decode_step_p50_ms": round(1e3 * (st["decode_step_p50_seconds"] or 0), 3),
+           "decode_seconds": round(st["decode_seconds"], 2), "prefill_seconds": round(st["prefill_seconds"], 2),
+           "device_wait_seconds": round(st["device_wait_seconds"], 2), "prefix_hits": st["prefix_hits"],
+           "prefix_misses": st["prefix_misses"], "prompt_fallbacks": st.get("prompt_fallbacks"),
+           "load_seconds": round(s["load_seconds"], 2), "triton_kernels_compiled": s["triton_kernels_compiled"],
+           "triton_compile_seconds": round(s["triton_compile_seconds"], 1),
+           "graph_captures": s["graph_captures"], "graph_capture_seconds": round(s["graph_capture_seconds"], 1)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def examples(work: Path, cold: bool = False) -> list[dict]:
+    base = [json.loads(line) for line in (ROOT / "examples/requests.jsonl").read_text().splitlines() if line.strip()]
+    cycled = [dict(r, id=f"{r.get('id', i)}-{k}") for k in range(17) for i, r in enumerate(base)][:2000]
+    plain = [r for r in base if not any(m.get("role") == "system" for m in r.get("messages", []))]
+    plain = [dict(r, id=f"{r.get('id', i)}-{k}") for k in range(18) for i, r in enumerate(plain)][:2000]
+    as_is, no_own = write_jsonl(work / "examples.jsonl", cycled), write_jsonl(work / "examples_plain.jsonl", plain)
+    sys_kv = work / "sys.relaykv"
+    if not sys_kv.exists():
+        relay("compile-prompt", ROOT / "examples/system_prompt.txt", "--out", sys_kv, "--quiet")
+    common = ("--max-batch", 256, "--max-tokens", 64)
+    if cold:  # each with a Triton cache of its own, empty: what the first run on a machine compiles
+        return [run_job(f"examples{mode}-cold", work, as_is, [sys_kv], *common, *flags,
+                        env=dict(os.environ, TRITON_CACHE_DIR=str(work / f"triton{mode}")))
+                for mode, flags in (("", ()), ("-no-relay", ("--no-relay",)))]
+    rows = [run_job("examples", work, as_is, [sys_kv], *common),
+            run_job("examples-no-relay", work, as_is, [sys_kv], *common, "--no-relay")]
+    rows.append(run_job("examples-plain", work, no_own, [sys_kv], *common))
+    seconds, _ = relay("run", "--in", ROOT / "examples/requests.jsonl", "--out", work / "answers.parquet",
+                       "--prompt", sys_kv, "--max-tokens", 64, "--stats-json", work / "readme.json", "--quiet")
+    rows.append({"job": "readme-main-job", "process_seconds": round(seconds, 2)})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def mixed(work: Path) -> list[dict]:
+    rng = random.Random(0)
+    words = (ROOT / "examples/system_prompt.txt").read_text().split()
+    prompts = []
+    for i in range(8):
+        n = 2048 + i * 6144 // 7  # about that many words: 2k-8k tokens and a little more
+        text = " ".join(words[j % len(words)] for j in range(i * 97, i * 97 + int(n * 0.8)))
+        path = work / f"mix{i}.txt"
+        path.write_text(f"Prompt {i}. " + text)
+        prompts.append(path)
+    model = ("--model", "dummy:llama3-8b", "--dtype", "bfloat16")
+    took, _ = relay("compile-prompt", *prompts, *model, "--quiet")
+    print(json.dumps({"compile_8_prompts_seconds": round(took, 1)}), flush=True)
+    rows = []
+    for i in range(2000):
+        row = {"id": str(i), "prompt": " ".join(rng.choice(words) for _ in range(24)), "max_tokens": 64,
+               "ignore_eos": True, "temperature": 0}
+        if i % 20 == 19:  # 5%: a system prompt of their own, answered by full prefill
+            row = {"id": str(i), "messages": [{"role": "system", "content": f"You are assistant number {i}."},
+                                              {"role": "user", "content": row["prompt"]}],
+                   "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+        else:
+            row["system_prompt"] = f"mix{i % 8}"
+        rows.append(row)
+    jobs = write_jsonl(work / "mixed.jsonl", rows)
+    kvs = [p.with_suffix(".relaykv") for p in prompts]
+    common = (*model, "--max-batch", 256)
+    return [run_job("mixed-llama3", work, jobs, kvs, *common),
+            run_job("mixed-llama3-no-relay", work, jobs, kvs, *common, "--no-relay")]
+
+
+def main() -> None:
+    parts = sys.argv[1:] or ["examples", "mixed"]
+    OUT.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for part in parts:
+            if part == "examples":
+                results += examples(work)
+            elif part == "mixed":
+                results += mixed(work)
+            elif part == "cold":
+                results += examples(work, cold=True)
+            else:
+                raise SystemExit(f"unknown part {part} (examples|mixed|cold)")
+            (OUT / "jobs.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
