@@ -159,14 +159,19 @@ def plan_splice(tokenizer, system_text: str, token_ids: list[int]) -> Splice | N
         splice = _find_splice(tokenizer, system_text, list(token_ids))
         if splice is None:
             return None
+        texts, spliced = [], []
         for chat in _probe_chats(tokenizer, system_text, splice):
             try:
                 text = tokenizer.render_text(chat)
             except Exception:  # noqa: BLE001 - a template may refuse a probe shape; rows of that shape fail alike
                 continue
             got = splice.ids(tokenizer, text)
-            if got is not None and got != tokenizer.encode(text):
-                return None
+            if got is not None:
+                texts.append(text)
+                spliced.append(got)
+        # the whole texts are the long part (each holds the system text): encoded in parallel
+        if any(got != whole for got, whole in zip(spliced, tokenizer.encode_batch(texts))):
+            return None
         return splice
     except Exception:  # noqa: BLE001 - no cut is always correct: the rows are tokenized whole
         return None

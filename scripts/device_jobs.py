@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,10 +80,16 @@ def examples(work: Path, cold: bool = False) -> list[dict]:
     if not sys_kv.exists():
         relay("compile-prompt", ROOT / "examples/system_prompt.txt", "--out", sys_kv, "--quiet")
     common = ("--max-batch", 256, "--max-tokens", 64)
-    if cold:  # each with a Triton cache of its own, empty: what the first run on a machine compiles
-        return [run_job(f"examples{mode}-cold", work, as_is, [sys_kv], *common, *flags,
-                        env=dict(os.environ, TRITON_CACHE_DIR=str(work / f"triton{mode}")))
-                for mode, flags in (("", ()), ("-no-relay", ("--no-relay",)))]
+    if cold:  # each with an empty Triton cache: what the first run on a machine compiles; the
+        # kernels then join the default cache, so that the warm runs after find them
+        default = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+        rows = []
+        for mode, flags in (("", ()), ("-no-relay", ("--no-relay",))):
+            fresh = work / f"triton{mode}"
+            rows.append(run_job(f"examples{mode}-cold", work, as_is, [sys_kv], *common, *flags,
+                                env=dict(os.environ, TRITON_CACHE_DIR=str(fresh))))
+            shutil.copytree(fresh, default, dirs_exist_ok=True)
+        return rows
     rows = [run_job("examples", work, as_is, [sys_kv], *common),
             run_job("examples-no-relay", work, as_is, [sys_kv], *common, "--no-relay")]
     rows.append(run_job("examples-plain", work, no_own, [sys_kv], *common))
