@@ -116,8 +116,8 @@ class PagedAttention:
         pairs = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
         self.prefix_layers = [LayerPrefixes.stored(p) if store else LayerPrefixes(p) for p in pairs]
         # the second stream of relay's overlapped decode step (whichever kernel the step
-        # launches first; high priority, as it was timed), one per engine so every captured
-        # graph forks onto the same stream
+        # launches first; high priority, so the block scheduler places its programs first),
+        # one per engine so every captured graph forks onto the same stream
         self.side_stream = None
         if impl == "triton":
             from kernels import triton_ops

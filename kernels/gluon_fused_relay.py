@@ -1,12 +1,12 @@
 """Decode relay attention for Hopper with the own keys inside the warp-specialised system program.
 
-Experiment (issue 5, twenty-second session). At llama3-8b heads the system step is bound by
-the tensor cores and the own-key step by bytes, yet run as two kernels they take the sum of
-their times: the warp-specialised system program holds an SM's whole register file, so no
-context program runs beside it (docs/kernels.md). Here the program gets a third role: beside
-the two prefix consumer warpgroups (kernels/gluon_system_attention.py's, under a lower
-register cap) and their TMA warp, an own-key warpgroup with a TMA warp of its own attends the
-own keys of the program's requests while the prefix consumers keep the tensor cores busy.
+At GQA heads (llama3-8b) the system step is bound by the tensor cores and the own-key step
+by bytes, yet as two kernels they take the sum of their times: the warp-specialised system
+program holds an SM's whole register file, so no context program runs beside it. Here the
+program gets a third role: beside the two prefix consumer warpgroups
+(kernels/gluon_system_attention.py's, under a lower register cap) and their TMA warp, an
+own-key warpgroup with a TMA warp of its own attends the own keys of the program's requests
+while the prefix consumers keep the tensor cores busy.
 
 A request's own keys serve only its G query rows, so with the queries as the wgmma's M rows
 (64 a warpgroup) an own tile would waste 1 - G/64 of its tensor work. The own keys are
@@ -22,22 +22,17 @@ the rest other heads' (finite, ignored). Own keys are paged; a chunk is one cach
 (block_size == C), one TMA for its K and one for its V, into a ring of CTX_TILES [C, D] slots.
 The keys are spread over the warpgroup's 4 warps, so a chunk's max and sum cross warps:
 where a request has two chunks left the warpgroup takes both in one step (one max, one sum
-and one barrier per 128 keys), which made the own keys no longer the longer role at llama3
-batch 256 (twenty-fourth session).
+and one barrier per 128 keys), which halves that cross-warp work.
 
 Result: the system partials at splits 0..num_splits-1 as the system kernel writes them, the
 own-key partial of every (request, head) at split num_splits, then merge_partials. Work:
 program (m, h, split) takes the own keys of the requests whose first query row is among its
-128, ceil(m*128/G) + i, i = split, split + num_splits, ... (the twenty-third session found
-that the first form, m*128/G + i for i < 128/G, left a request of no program where G does
-not divide 128: at G = 3 request 84).
+128, ceil(m*128/G) + i, i = split, split + num_splits, ..., so every request belongs to
+exactly one program for any G, also where G does not divide 128.
 
-H200 (docs/kernels.md, twenty-second session): llama3-8b heads, 8,192 + 128 own keys,
-77.3-78.6 us against the engine's plan's 109.9-110.1 at batch 256, 33.8-34.6 against
-47.6-49.0 at batch 64. The engine's plan since the twenty-third session, for graphed decode
-steps where triton_plan.fused_decode_plan says it pays (kernels/triton_ops.py), on 64-key
-cache blocks; since the twenty-fourth, with 128-key prefix tiles and Q in shared memory
-where triton_plan.fused_tile says (4+ row tiles a KV head): 72.6 us at llama3 batch 256.
+The engine runs it for graphed decode steps where triton_plan.fused_decode_plan says it pays
+(kernels/triton_ops.py), on 64-key cache blocks, with triton_plan.fused_tile's prefix tile.
+Measured on the H200; docs/kernels.md has the numbers.
 """
 
 from __future__ import annotations
@@ -56,8 +51,8 @@ from kernels.triton_system_attention import merge_partials
 
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
 # launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get SYS_REGS (the
-# system kernel's consumers at ws_regs=128: 64-key tiles fit there without spills, twentieth
-# session), the own-key warpgroup CTX_REGS, the TMA warps 24: 8 x 176 + 4 x 136 + 4 x 24 = 2048.
+# system kernel's consumers at ws_regs=128: 64-key tiles fit there without spills), the
+# own-key warpgroup CTX_REGS, the TMA warps 24: 8 x 176 + 4 x 136 + 4 x 24 = 2048.
 LAUNCH_REGS = 128
 SYS_REGS = 176
 CTX_REGS = 136
@@ -130,10 +125,9 @@ def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor
     merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
     pdl_merge: the merge launched as a programmatic dependent of the fused kernel, which
     does not trigger it, so its programs are placed as the fused kernel's last ones leave
-    (merge_partials' pdl; the same bits). H200, graph-replayed (docs/kernels.md, twenty-sixth
-    session): 0.2-0.4 us a step faster at five shapes (llama3-8b B=64 32.0 against 32.2 us).
-    The twenty-fourth session's early trigger, which let the merge's programs take SM slots
-    while the fused kernel's were still being placed, was 3-9 us slower.
+    (merge_partials' pdl; the same bits). The fused kernel never triggers early: a trigger
+    at program start would let the merge's programs take SM slots while the fused kernel's
+    are still being placed. Measured on the H200; docs/kernels.md has the numbers.
     """
     o_part, lse_part, kernel = fused_relay_partials(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens,
                                                     scale, num_splits, **tile)

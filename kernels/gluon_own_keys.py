@@ -9,8 +9,8 @@ its N = 8, padded with other heads' rows), one 64-key chunk a cache block:
 K and V tiles come by TMA into one ring, in the order they are used (K_0, V_0, K_1, ...).
 A program (m, h, split) takes the requests whose first query row is among its 128, every
 num_splits-th from split on (_ctx_schedule); each request's partial goes to split num_splits
-of the fused step's partials. Shapes and the H200 results: gluon_fused_relay.py's docstring
-and docs/kernels.md.
+of the fused step's partials. Shapes: gluon_fused_relay.py's docstring; measurements:
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _next_chunk(it_k, it_c, it_len, nx_len, n_items, ctx_ptr, req_base, split, n
 @gluon.constexpr_function
 def _q_slots(ctx_tiles):
     """Q slots of the own-key ring: chunk c's Q comes with its K (tile 2c), which waits for tile
-    2c - ctx_tiles to be done; the Q slot it takes was chunk (c - slots)'s, whose scores (tile
+    2c - ctx_tiles to be done; the Q slot it takes last held chunk (c - slots)'s, whose scores (tile
     2(c - slots)) must be done by then, so slots >= ctx_tiles / 2."""
     return (ctx_tiles + 1) // 2
 

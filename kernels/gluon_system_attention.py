@@ -32,7 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.triton_plan import is_sm90
 
-# Triton 3.6 (the H200's) names the CTA barrier thread_barrier, later releases barrier
+# Triton 3.6 names the CTA barrier thread_barrier, later releases barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 LOG2E = 1.4426950408889634
 WS_BLOCK_M = 128  # query rows of a warp-specialised program: two consumer warpgroups of 64
@@ -103,8 +103,8 @@ def _load_q(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G: gl.con
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_ROWS: gl.constexpr, WARPS: gl.constexpr):
     """Query rows row0.. of KV head h as the A operand of the S wgmma, [BLOCK_M, D]."""
     # Q [BLOCK_M, D] stays in registers as the A operand of every S wgmma, so shared memory
-    # serves only K and V (on the H200 3-4% faster than Q from shared memory at batch 256 and
-    # 8,192 prefix tokens, under 1% at 2,048).
+    # serves only K and V (faster than Q from shared memory at full batches: measured on the
+    # H200; docs/kernels.md has the numbers).
     q = _q_rows(q_ptr, rows_ptr, row0, h, n_queries, stride_qn, stride_qh, G, D, BLOCK_M, HAS_ROWS, WARPS)
     return gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BLOCK_N, WARPS), k_width=2))
 

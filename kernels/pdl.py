@@ -5,7 +5,7 @@ its programs placed, while the kernel before it on the stream is still finishing
 waits in griddepcontrol.wait, the first thing it does, until that kernel has completed and
 its writes are visible. Launch latency and the ramp-up then overlap the previous kernel's
 tail. The kernels that take it here (add + RMSNorm, RoPE, silu * up) read only what the
-kernel just before them wrote or what was written earlier, and wait before any access,
+kernel just before them wrote or what kernels before that wrote, and wait before any access,
 so the results are the same to the bit with or without it; only where each launch starts
 moves.
 """

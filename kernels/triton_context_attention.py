@@ -10,8 +10,8 @@ the shared prefix in front of the own keys in one softmax, and the key range can
 into splits that write fp32 partials. Each program cuts its own sequence's key range
 into num_splits equal chunks (whole key tiles), so the chunks stay balanced whatever the
 lengths: a CUDA graph plans its split count for the longest context its bucket allows,
-up to 4x the real one, and fixed-size chunks left most split programs empty and a few
-long. With HAS_SYS the epilogue folds in the system
+up to 4x the real one, and chunks of a fixed size would leave most split programs empty
+and a few long. With HAS_SYS the epilogue folds in the system
 step's partials (w = sigmoid(lse_sys - lse_ctx), per split) and writes the final o once.
 """
 
@@ -39,7 +39,7 @@ def _paged_loop(acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, lo, hi, qk_scale
     from a block-table load of the same iteration costs Triton's software pipeline a
     stage: at 2-4 stages the K/V tile is then single-buffered and waited for as soon as
     it is issued; with the ids carried from the iteration before, 3 stages double-buffer
-    it (scripts/compile_report.py). Same tiles in the same order: the same results.
+    it (an sm_90 compile shows both). Same tiles in the same order: the same results.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -211,8 +211,9 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         assert t.stride(-1) == 1, f"{name} needs a unit last stride"
 
 
-# H200, llama3-8b heads, one graphed launch (scripts/device_ncu.sh regs): 103.3 -> 94.1 us at
-# batch 256 x 300 own keys, 53.9 -> 49.8 us at 256 x 128; 104 or 96 registers gained nothing more.
+# The full-grid 32-key decode tile's register cap: uncapped it takes 165 registers a thread,
+# six programs an SM; at 128, eight. Measured on the H200 (lower caps gain nothing more);
+# docs/kernels.md has the numbers.
 MAX_REGISTERS_SHORT_TILE = 128
 # Decode key ranges up to this many keys take the 32-key tile (a graph plans for its context
 # bucket, the next of 256, 1024, 4096 above the longest own context).
@@ -225,22 +226,20 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM.
 
     A decode program over few keys (relay's own keys) is latency-bound: 32-key tiles and
-    2 warps let more programs share an SM (H200: 5-12% faster at 128 keys). Long key
-    ranges (the baseline) stream best with 64-key tiles and 4 warps.
+    2 warps let more programs share an SM. Long key ranges (the baseline) stream best with
+    64-key tiles and 4 warps.
 
     num_programs: sequences x KV heads of the launch, before any split (None: as many as
     fill the chip). At most two of them per multiprocessor is a job's tail: no other
     programs hide a tile's load, so the decode tiles read their block ids a tile ahead
     (bt_ahead) and keep the next K/V tile in flight at 3 stages. Fuller grids keep 2
     stages: read-ahead takes the 64-key tile from 38 to 70 KiB of shared memory, three
-    programs an SM instead of four (per_sm, which the split plan uses). H200, whole
-    llama3 jobs, four calls against 2 stages everywhere: the median step at batch 1-16
-    5.41-5.48 against 5.68-5.74 ms in every call; read-ahead on every grid moved steps at
-    batch >= 64 by +0.7, -1.1, -1.6 and -0.5 points of the floor (docs/benchmarks.md,
-    tenth session). Only relay's context step was timed with it (paged_attention's
-    read_ahead); the baseline's launches pass None. On CUDA the full-grid 32-key tile
-    carries a register cap (maxnreg, a launch option), so more of its programs share an SM.
-    short_keys: key ranges up to this take the 32-key tile (scripts' A/B variants move it).
+    programs an SM instead of four (per_sm, which the split plan uses), and there other
+    programs hide the latency anyway. Relay's context step passes num_programs
+    (paged_attention's read_ahead); the baseline's launches pass None. On CUDA the
+    full-grid 32-key tile carries a register cap (maxnreg, a launch option), so more of its
+    programs share an SM. Measured on the H200; docs/kernels.md has the numbers.
+    short_keys: key ranges up to this take the 32-key tile.
     """
     block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
     ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
@@ -278,8 +277,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     each sequence's keys are cut into that many chunks of whole key tiles, chunk s of
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
     last ones may be short or empty: (0, -inf)). read_ahead: without a config, let
-    paged_config pick read-ahead tiles for a small grid (relay's context step, where it
-    was timed; pass the same to context_splits).
+    paged_config pick read-ahead tiles for a small grid (relay's context step; pass the
+    same to context_splits).
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv, d = k_cache.shape[2], k_cache.shape[3]

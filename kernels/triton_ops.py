@@ -1,13 +1,13 @@
 """Triton attention entry points with the signatures of kernels/reference.py.
 
 relay_attention puts a step together by the first of these that applies:
-- fused own-key step: a decode step under CUDA-graph capture whose rows all share one
+- fused own-key step: a CUDA graph's decode step (meta.graphed) whose rows all share one
   prefix, where triton_plan.fused_decode_plan says it pays: kernels/gluon_fused_relay.py
   (the own keys inside the warp-specialised system program), then the merge kernel;
 - table step: rows of several prefixes given as a PrefixTable (decode graphs): one grouped
   system launch over the prefix store (kernels/triton_grouped_system.py), then the context
-  step and the merge kernel, on two streams under capture;
-- overlap: other decode steps under capture: the system kernel (all queries of a prefix
+  step and the merge kernel, on two streams in a graph's step;
+- overlap: other graphed decode steps: the system kernel (all queries of a prefix
   group and the G heads of a KV head stacked, split-K over the prefix into fp32 partials)
   and the paged context kernel on two streams at once, the matrix-bound one first, then
   the merge kernel;
@@ -57,17 +57,18 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     overlap: run the (memory-bound) context kernel and the (matrix-bound) system kernel
     on two streams at once; the context then writes a partial and the merge kernel
-    finishes, instead of the fused epilogue. None: only for decode steps captured in a
-    CUDA graph, where the extra stream costs no host time (eager, that time exceeds the
-    gain). system_side: the system kernel goes first, on the side stream, so the block
-    scheduler places its programs ahead of the context kernel's many small ones (None:
-    when the step overlaps and its system step is matrix-bound). resident: with
-    system_side, plan the system split count so that its programs take at most one slot
-    an SM and context programs run beside them (plan_system: None where that fits under
-    the context step, True always, False never). docs/kernels.md has the measurements.
+    finishes, instead of the fused epilogue. None: only for a CUDA graph's decode steps
+    (meta.graphed), whose capture pays the extra stream's host time once (in eager steps
+    that time exceeds the gain). system_side: the system kernel goes first, on the side
+    stream, so the block scheduler places its programs ahead of the context kernel's many
+    small ones (None: when the step overlaps and its system step is matrix-bound).
+    resident: with system_side, plan the system split count so that its programs take at
+    most one slot an SM and context programs run beside them (plan_system: None where that
+    fits under the context step, True always, False never). docs/kernels.md has the
+    measurements.
     side_stream: the overlap's second stream, owned by the caller (kernels.backend.PagedAttention
     keeps one per engine); None takes one from torch's stream pool (high priority with system_side).
-    fused: None: a decode step captured in a CUDA graph, every row behind one prefix, runs
+    fused: None: a CUDA graph's decode step (meta.graphed), every row behind one prefix, runs
     the own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py),
     then the merge kernel, where triton_plan.fused_decode_plan says it runs and pays and no
     knob above is set; False: never. Other steps take the paths above.
@@ -149,9 +150,9 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def fused_step_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       groups: list) -> int | None:
     """The fused decode step's system splits for this step, or None where it takes another
-    path: it needs a decode step under CUDA-graph capture (TMA descriptors are built on the
-    host once, at capture), one prefix group that holds every row (groups list their rows
-    in order, so it reads row n's own keys for query n), contiguous system KV and cache,
+    path: it needs a CUDA graph's decode step (meta.graphed: TMA descriptors are built on
+    the host once, for the capture), one prefix group that holds every row (groups list
+    their rows in order, so it reads row n's own keys for query n), contiguous system KV and cache,
     block tables with unit column stride, and fused_decode_plan's shapes. A graph key's plan
     (graphed_decode_plan) prices the same sizes, so a key says "fused" exactly where its
     captured step takes this path, as long as these layout checks hold (they do for the

@@ -43,8 +43,8 @@ def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
     return num_splits, per
 
 
-# bf16 matrix work a byte of HBM traffic pays for on the H200: 745-790 TFLOP/s over 4.0-4.2
-# TB/s of copy bandwidth, as measured at the start of every kernel table (docs/kernels.md)
+# bf16 matrix work a byte of HBM traffic pays for on the H200: its matmul rate over its copy
+# bandwidth, both measured with every kernel table (docs/kernels.md has the ceilings)
 RIDGE_FLOPS_PER_BYTE = 185
 
 
@@ -60,10 +60,7 @@ def resident_splits(programs: int, num_keys: int, block_m: int, head_dim: int, s
     of two, at most one program an SM) whose program does its matrix work, at one SM's
     share of the matmul rate, in less time than the context step reads its bytes; None
     when none does, or when the system step is bound by bytes (it would compete with the
-    context for the same bandwidth). H200, llama3-8b heads, graphed relay step
-    (docs/kernels.md, thirteenth session; context first: 120.0 and 53.0 us): batch 256,
-    2,048 prefix tokens, 300 own ones: 112.4 us at one split against 117.9 us at the two
-    of two programs an SM; batch 64: 44.9 us at one split (32 programs) against 50.1 us.
+    context for the same bandwidth). Measured on the H200; docs/kernels.md has the numbers.
     """
     slots = num_sms(device)
     flops = 4.0 * programs * block_m * num_keys * head_dim
@@ -99,37 +96,28 @@ def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> d
 def merge_unroll(programs: int, device: torch.device) -> int:
     """Splits the merge kernel loads at once (the bits are the same for any count).
 
-    programs: the merge grid's, rows x head blocks (merge_block_h's; llama3-8b on an H200
-    below batch 64: 16 a row, so batch <= 16 counts as small). A grid that leaves
+    programs: the merge grid's, rows x head blocks (merge_block_h's). A grid that leaves
     most multiprocessors idle (a job's tail) waits a memory latency per split unless
-    several are in flight; a full one hides that latency behind its other programs. H200,
-    whole llama3 jobs, with two heads blocks a row then (tenth session, before
-    merge_block_h): 4 at once saved about 0.04 ms a step at batch 1-16; at batch >= 64 one
-    at a time was 1.5 points of the floor ahead in one call and 0.4 behind in the next
-    (docs/benchmarks.md), so full grids keep the smaller kernel.
+    several are in flight; a full one hides that latency behind its other programs, and
+    there the one-at-a-time kernel (fewer registers) is as fast. Measured on the H200 in
+    whole jobs; docs/kernels.md has the numbers.
     """
     return 4 if programs <= 2 * num_sms(device) else 1
 
 
 def merge_row_block_h(num_heads: int, head_dim: int) -> int:
     """Heads a merge program takes where the grid is large: all of a row's (a power of two
-    at or above num_heads), up to 2,048 values (the rule for every grid before the
-    twenty-fifth session)."""
+    at or above num_heads), up to 2,048 values."""
     return min(1 << max(0, num_heads - 1).bit_length(), max(1, 2048 // head_dim))
 
 
 def merge_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.device) -> int:
     """Heads a merge program takes (a power of two): all of a row's, up to 2,048 values, as
     long as the grid, rows x head blocks, keeps 3 or more programs an SM; fewer where it
-    would not, down to 2 (the fewest measured). A small grid of large programs leaves each
+    would not, down to 2. A small grid of large programs leaves each
     SM one program that waits an L2 round trip per split; more, smaller programs keep more
-    loads in flight (the same bits for any block: each value's fold is the same). H200,
-    graph-replayed fused relay steps, llama3-8b heads (docs/kernels.md, twenty-fifth
-    session), this rule's block against 16 heads: batch 8 (2 heads) 23.9 against 28.5 us,
-    16 (2) 25.5 against 30.0, 32 (2) 28.6 against 32.4, 64 (4; 2 was 1.3 us slower) 31.6-32.0
-    against 33.4-35.2, 128 (8) 43.6-44.0 against 44.2-45.8; at 256, 16 heads stay (4:
-    73.4-73.8 against 72.4-72.9). llama2-7b batch 16 and 64: 51.5-52.2 against 53.6, and
-    77.9 against 80.4.
+    loads in flight (the same bits for any block: each value's fold is the same). Measured
+    on the H200; docs/kernels.md has the numbers.
     """
     block_h = merge_row_block_h(num_heads, head_dim)
     while block_h > 2 and num_rows * -(-num_heads // block_h) < 3 * num_sms(device):
@@ -141,33 +129,30 @@ PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pa
 # Decode-sized system tiles on the GPU. DECODE_TILE: 64 query rows (one warpgroup of wgmma),
 # 64-key tiles, 3 stages, two programs an SM. WS_TILE: the warp-specialised Gluon kernel,
 # 128 rows in two consumer warpgroups beside a TMA warp, 128-key tiles, 2 stages, one
-# program an SM (it claims the whole register file). tma/gluon/ws None: taken inside
-# CUDA-graph capture only, where building TMA descriptors costs no host time every step.
+# program an SM (it claims the whole register file). tma/gluon/ws None: taken only in a
+# CUDA graph's steps (AttentionMetadata.graphed), whose TMA descriptors are built once.
 DECODE_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None, gluon=None)
 WS_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, per_sm=1, tma=None, gluon=None, ws=None)
 
 
 def ws_pays(rows: int, kv_heads: int, sms: int) -> bool:
     """Whether the warp-specialised tile beats DECODE_TILE: its grid before any split,
-    ceil(rows / 128) x kv_heads programs, covers at least a quarter of the SMs. H200,
-    graph-replayed, L2 flushed (docs/kernels.md, sixteenth session): at 64 such programs
-    (batch 256, llama2-7b and llama3-8b heads) 10-12% faster at 8,192 prefix tokens and
-    1-6% at 2,048; at 16 and 32 (batch 64) from 1% faster to 14% slower."""
+    ceil(rows / 128) x kv_heads programs, covers at least a quarter of the SMs; a smaller
+    grid does not earn back the warp-specialised program's larger start-up cost. Measured
+    on the H200; docs/kernels.md has the numbers."""
     return 4 * -(-rows // WS_TILE["BLOCK_M"]) * kv_heads >= sms
 
 
 def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2, kv_heads: int = 1) -> dict:
     """Tile shape for a [rows, D] x [S, D]^T problem (rows: the queries of one KV head, x G).
 
-    On the GPU, decode-sized: DECODE_TILE, or on Hopper WS_TILE where ws_pays. On an H200
-    (docs/kernels.md), with K/V fetched by TMA, the 64-row tile was as fast as 128-row tiles
-    with 8 warps at 64 queries and 4-12% faster at 256; gluon=None runs it inside capture as
-    kernels/gluon_system_attention.py (the softmax beside the tensor cores; up to 6% faster).
-    Prefill-sized (PREFILL_ROWS rows or more): 128 x 128 tiles, 8 warps, 3 stages, TMA even
-    eagerly (a descriptor is cheap next to a kernel of milliseconds). On the H200, 8,192
-    prefill tokens against an 8,192-token prefix took 2.00 ms instead of 2.27 ms (llama2-7b
-    heads; scripts/device_prefill_sweep.py). That tile needs about 224 KiB of shared memory,
-    so it is kept only where the device has it.
+    On the GPU, decode-sized: DECODE_TILE (64 rows, K/V fetched by TMA), or on Hopper
+    WS_TILE where ws_pays; gluon=None runs it in a CUDA graph's steps as
+    kernels/gluon_system_attention.py (the softmax beside the tensor cores). Prefill-sized
+    (PREFILL_ROWS rows or more): 128 x 128 tiles, 8 warps, 3 stages, TMA even eagerly (a
+    descriptor is cheap next to a kernel of milliseconds). That tile needs about 224 KiB of
+    shared memory, so it is kept only where the device has it. Measured on the H200;
+    docs/kernels.md has the numbers.
     """
     if device.type == "cuda":
         if rows >= PREFILL_ROWS:
@@ -201,11 +186,8 @@ def grouped_splits(num_rows: int, num_heads: int, num_kv_heads: int, max_keys: i
 # Own keys a cache block holds on the GPU: the fused decode step (kernels/gluon_fused_relay.py)
 # reads one block a 64-key chunk, by one TMA each for its K and V. Elsewhere 16 (the CPU's
 # kernels gather key by key; a smaller block wastes less of a small cache). The other CUDA
-# kernels address any block size key by key. H200 (docs/kernels.md): relay's older plan
-# took the same time on 64-key blocks as on 16-key ones (llama3-8b and llama2-7b heads,
-# batch 64 and 256, 8,192 prefix tokens, 128 own; twenty-second session), and so did the
-# --no-relay baseline at batch 64, 8,192 own keys (2,178 and 492 us against the nineteenth
-# session's 2,165 and 484 on 16-key blocks, llama2-7b and llama3-8b heads; twenty-third).
+# kernels address any block size key by key and take the same time on 64-key blocks as on
+# 16-key ones (measured on the H200; docs/kernels.md has the numbers).
 FUSED_CHUNK = 64  # own keys a chunk of the fused decode step: one cache block, one TMA box
 CUDA_BLOCK_SIZE = FUSED_CHUNK
 CPU_BLOCK_SIZE = 16
@@ -231,23 +213,12 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     pays where a program's own chunks are at most twice its prefix tiles, both at the mean
     length (the engine deals a fused step's rows so that its programs' loads are even:
     relaycli.engine.cuda_graph.DecodeGraphs.deal) and for the longest row allowed
-    (max_context_len), which one program must take whole. H200, llama3-8b heads, graphed, L2
-    flushed, every row the same length (docs/kernels.md, twenty-second session), old plan ->
-    fused (own chunks : prefix tiles a program): batch 256, 8,192 + 128 own keys 110.1 -> 77.3
-    us (32 : 64), 2,048 + 128 64.8 -> 59.3 (32 : 16), 4,096 + 32 62.0 -> 46.1 (16 : 32), 4,096 +
-    300 114.8 -> 108.2 (80 : 32), 4,096 + 512 162.4 -> 155.7 (128 : 32); batch 64, 8,192 + 128
-    47.6 -> 33.8 (8 : 16), 16,384 + 128 61.1 -> 47.4, 4,096 + 32 32.4 -> 25.9, 2,048 + 128
-    28.1 -> 28.5 (8 : 4), and where it loses, 4,096 + 300 41.7 -> 46.8 (20 : 8: the old plan's
-    context kernel then runs beside a resident system kernel and reads the own keys faster
-    than one own-key warpgroup an SM); batch 256 with a short prefix, where the old plan is
-    the context kernel alone, would be far past the ratio. llama2-7b heads, 8,192 + 128:
-    batch 256 194.8 -> 177.5 (128 : 64), batch 64 87.8 -> 78.9 (32 : 32). The ratio gives up
-    the two small wins past it (80 : 32 and 128 : 32) to keep out the loss. Dealt in the
-    order the scheduler gives, whole llama3 jobs of ShareGPT-like lengths (about 400 own keys
-    a row on average, a long tail) were 5-6% slower with the fused step (at batch 97 and
-    more wherever the mean was at most 1,024: 34.8 against 36.6 requests/s at 8,192 prefix
-    tokens, 38.7 against 41.2 at 2,048; twenty-third session): the program with the
-    longest rows set each step's time.
+    (max_context_len), which one program must take whole. Past that ratio the overlapped
+    step's context kernel, running beside a resident system kernel, reads the own keys
+    faster than one own-key warpgroup an SM; the ratio gives up two small wins past it to
+    keep out that loss. Without the dealing, under ragged lengths the program with the
+    longest rows sets each step's time. Measured on the H200, with equal and with ragged
+    own lengths; docs/kernels.md has the numbers.
 
     Splits: the most (a power of two) that keep the grid within one program an SM (the
     program holds an SM's registers), and at least 256 prefix keys a split.
@@ -270,11 +241,9 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
 
 # The fused kernel's prefix tile where the prefix consumers are its longer role: 128-key
 # tiles with Q in shared memory (the consumers then need 216 registers, the own-key
-# warpgroup gets 56, and the own-key ring 3 tiles: 219 KiB). H200, bf16, graph-replayed,
-# L2 emptied, 8,192 prefix + 128 own keys (docs/kernels.md, twenty-fourth session):
-# llama3-8b heads batch 256 72.8 us against 78.4 with 64-key tiles (8 row tiles a KV head);
-# at batch 64 (2 row tiles) 35.2 against 34.5, llama2-7b batch 256 (G = 1, 2 row tiles,
-# where the own keys are the heavier role) 189.5 against 183.3.
+# warpgroup gets 56, and the own-key ring 3 tiles: 219 KiB). With fewer row tiles a KV head
+# the own keys are the longer role and the launcher's 64-key tiles are as fast or faster.
+# Measured on the H200; docs/kernels.md has the numbers.
 FUSED_WIDE_TILE = dict(block_n=128, stages=2, ctx_tiles=3, q_smem=True, sys_regs=216, ctx_regs=56)
 FUSED_WIDE_MIN_ROW_TILES = 4
 

@@ -2,9 +2,9 @@
 
 transformers computes x * cos + rotate_half(x) * sin with each product rounded to the run
 dtype before the sum; the kernel rounds at the same points and is compiled without
-floating-point contraction (enable_fp_fusion=False). An H200 build with contraction
-left on fused products into the sums: a quarter of its fp16/bf16 results were one
-unit in the last place off the eager model (tests/test_triton_layer_ops.py allows that).
+floating-point contraction (enable_fp_fusion=False): with contraction the compiler fuses
+products into the sums, and many fp16/bf16 results then differ from the eager model by one
+unit in the last place (tests/test_triton_layer_ops.py allows one unit).
 """
 
 from __future__ import annotations
