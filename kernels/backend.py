@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata, LayerPrefixes
+from relaycli.kernels import reference
+from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes
 
 ATTENTION_MODES = ("relay", "no-relay")
 ATTENTION_IMPLS = ("torch", "cpu-flash", "triton")
@@ -26,7 +26,7 @@ def default_impl(device: torch.device) -> str:
     if triton_available(device):
         return "triton"
     if device.type == "cpu":
-        from kernels import cpu_flash
+        from relaycli.kernels import cpu_flash
         if cpu_flash.is_available():
             return "cpu-flash"
     return "torch"
@@ -49,23 +49,23 @@ def triton_available(device: torch.device) -> bool:
         return False
     try:
         import triton  # noqa: F401
-        from kernels import triton_ops  # noqa: F401
+        from relaycli.kernels import triton_ops  # noqa: F401
     except Exception:
         return False
     return True
 
 
 class TritonLayerOps:
-    """models.llama.EagerOps in fused Triton kernels (CUDA), rounding at the same points
+    """relaycli.models.llama.EagerOps in fused Triton kernels (CUDA), rounding at the same points
     (results within about one unit in the last place of the eager ops).
 
     pdl: each kernel is launched as a programmatic dependent of the product before it
-    (kernels.pdl: the same results, the launch overlapping that product's tail)."""
+    (relaycli.kernels.pdl: the same results, the launch overlapping that product's tail)."""
 
     def __init__(self, pdl: bool = False) -> None:
-        from kernels.triton_rms_norm import add_rms_norm
-        from kernels.triton_rope import rope, rope_into_cache
-        from kernels.triton_silu_mul import silu_mul
+        from relaycli.kernels.triton_rms_norm import add_rms_norm
+        from relaycli.kernels.triton_rope import rope, rope_into_cache
+        from relaycli.kernels.triton_silu_mul import silu_mul
         self._add_rms_norm, self._rope, self._silu_mul = add_rms_norm, rope, silu_mul
         self._rope_into_cache = rope_into_cache
         self.pdl = pdl
@@ -86,10 +86,10 @@ class TritonLayerOps:
 
 def layer_ops(impl: str, device: torch.device | None = None):
     """Fused elementwise ops for this attention impl, or None for the eager ones; on a
-    Hopper-class GPU they launch as programmatic dependents (kernels.pdl)."""
+    Hopper-class GPU they launch as programmatic dependents (relaycli.kernels.pdl)."""
     if impl != "triton":
         return None
-    from kernels.pdl import pdl_supported
+    from relaycli.kernels.pdl import pdl_supported
     return TritonLayerOps(pdl=device is not None and pdl_supported(device))
 
 
@@ -98,7 +98,7 @@ class PagedAttention:
 
     k_caches[layer], v_caches[layer]: [num_blocks, block_size, Hkv, D].
     prefixes[slot] = (keys per layer, values per layer), each [S, Hkv, D].
-    store: keep each layer's prefixes in one store (kernels.metadata.LayerPrefixes), which
+    store: keep each layer's prefixes in one store (relaycli.kernels.metadata.LayerPrefixes), which
     steps with a PrefixTable read; the slots are then views of it (prefix_layers).
     """
 
@@ -120,12 +120,12 @@ class PagedAttention:
         # one per engine so every captured graph forks onto the same stream
         self.side_stream = None
         if impl == "triton":
-            from kernels import triton_ops
+            from relaycli.kernels import triton_ops
             self._ops = triton_ops
             if mode == "relay" and k_caches and k_caches[0].is_cuda:
                 self.side_stream = triton_ops.pool_stream(k_caches[0].device, high_priority=True)
         elif impl == "cpu-flash":
-            from kernels import cpu_flash
+            from relaycli.kernels import cpu_flash
             self._ops = cpu_flash
         else:
             self._ops = reference
@@ -133,7 +133,7 @@ class PagedAttention:
     def graphed_decode_plan(self, num_seqs: int, num_heads: int, slot: int | None, context_tokens: int,
                             max_context_len: int) -> tuple[int, str] | None:
         """How relay's Triton decode step, captured in a CUDA graph, plans its system kernel
-        (kernels.triton_ops.graphed_decode_plan) for num_seqs rows on prefix `slot` whose own
+        (relaycli.kernels.triton_ops.graphed_decode_plan) for num_seqs rows on prefix `slot` whose own
         keys total context_tokens, none longer than max_context_len; None where no such plan
         is made (no prefix, --no-relay, other impls)."""
         if self.impl != "triton" or self.mode != "relay" or slot is None or not self.k_caches:
@@ -145,16 +145,16 @@ class PagedAttention:
 
     def graphed_table_plan(self, num_seqs: int, num_heads: int, max_keys: int) -> tuple[int, str] | None:
         """The plan of a captured decode step whose rows use several prefixes (a PrefixTable):
-        relay's grouped system kernel and its splits (kernels.triton_plan.grouped_splits);
+        relay's grouped system kernel and its splits (relaycli.kernels.triton_plan.grouped_splits);
         None where no plan is made (--no-relay, other impls)."""
         if self.impl != "triton" or self.mode != "relay" or not self.k_caches:
             return None
-        from kernels.triton_plan import grouped_splits
+        from relaycli.kernels.triton_plan import grouped_splits
         k_cache = self.k_caches[0]
         return grouped_splits(num_seqs, num_heads, k_cache.shape[2], max_keys, k_cache.device), "grouped"
 
     def attend_fn(self, meta: AttentionMetadata) -> Callable:
-        """models.llama.AttendFn for this step's metadata; it takes rope=(cos, sin, layer_ops).
+        """relaycli.models.llama.AttendFn for this step's metadata; it takes rope=(cos, sin, layer_ops).
 
         Given rope, q and k arrive unrotated and the layer ops' RoPE is applied here: with
         the Triton impl and TritonLayerOps in one launch that also stores k and v in the

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels import reference
+from relaycli.kernels import reference
 
 
 def is_available() -> bool:

@@ -44,10 +44,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon_own_keys import QN, _ctx_consumer, _ctx_producer, _q_slots
-from kernels.gluon_system_attention import LOG2E, WS_PRODUCER_REGS, _ws_consumer, _ws_producer, _ws_ring
-from kernels.triton_plan import FUSED_CHUNK
-from kernels.triton_system_attention import merge_partials
+from relaycli.kernels.gluon_own_keys import QN, _ctx_consumer, _ctx_producer, _q_slots
+from relaycli.kernels.gluon_system_attention import LOG2E, WS_PRODUCER_REGS, _ws_consumer, _ws_producer, _ws_ring
+from relaycli.kernels.triton_plan import FUSED_CHUNK
+from relaycli.kernels.triton_system_attention import merge_partials
 
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
 # launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get SYS_REGS (the

@@ -20,7 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.gluon_system_attention import _acc_layout, _cta_barrier
+from relaycli.kernels.gluon_system_attention import _acc_layout, _cta_barrier
 
 QN = gl.constexpr(8)  # query rows of an own chunk's wgmma (its N): a request's G rows, padded
 

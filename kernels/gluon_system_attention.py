@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.triton_plan import is_sm90
+from relaycli.kernels.triton_plan import is_sm90
 
 # Triton 3.6 names the CTA barrier thread_barrier, later releases barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier

@@ -112,7 +112,7 @@ class AttentionMetadata:
     block_size: int
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
     # own keys of the real rows, summed on the host: what a decode step's split and tile plan
-    # prices (kernels.triton_ops.context_tokens). None: num_seqs x max_context_len. A decode
+    # prices (relaycli.kernels.triton_ops.context_tokens). None: num_seqs x max_context_len. A decode
     # graph sets its key's representative total (relaycli.engine.cuda_graph).
     context_tokens: int | None = None
     # several prefixes in one step, as device data (decode graphs); prefix_groups is then empty

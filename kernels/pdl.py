@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_plan import is_hopper_or_newer
+from relaycli.kernels.triton_plan import is_hopper_or_newer
 
 
 def pdl_supported(device: torch.device) -> bool:

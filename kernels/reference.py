@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
 
 NEG_INF = float("-inf")
 # attend(q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v, scale, mask [B, Tq, Tk] | None) -> (o, lse):

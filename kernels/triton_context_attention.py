@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata, PrefixTable
-from kernels.triton_plan import fit_smem, num_sms, split_plan
-from kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
+from relaycli.kernels.metadata import AttentionMetadata, PrefixTable
+from relaycli.kernels.triton_plan import fit_smem, num_sms, split_plan
+from relaycli.kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
 
 @triton.jit
@@ -272,7 +272,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
     with seq_group[b] == group_id run; prefix_table: with prefix = the prefix store, each
-    sequence's prefix is its group's range of the store (kernels.metadata.PrefixTable); sys_part: (o [s, N, Hq, D], lse [s, N, Hq]) merged in
+    sequence's prefix is its group's range of the store (relaycli.kernels.metadata.PrefixTable); sys_part: (o [s, N, Hq, D], lse [s, N, Hq]) merged in
     the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None. num_splits:
     each sequence's keys are cut into that many chunks of whole key tiles, chunk s of
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
@@ -340,7 +340,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, o_sys: torch.Tensor | None = None, lse_sys: torch.Tensor | None = None,
                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as kernels.reference.context_attention, plus the optional relay fusion.
+    """Same contract as relaycli.kernels.reference.context_attention, plus the optional relay fusion.
 
     q [N, Hq, D], caches [num_blocks, block_size, Hkv, D] -> o [N, Hq, D], lse [N, Hq] fp32.
     With o_sys [N, Hq, D] or [splits, N, Hq, D] and lse_sys [N, Hq] or [splits, N, Hq]

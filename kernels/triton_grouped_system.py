@@ -2,7 +2,7 @@
 
 The rows of such a step are ordered by prefix group, and the step's PrefixTable says,
 as device data, which rows each group holds and where its prefix lies in the prefix
-store (every loaded prefix's K/V, one after another, kernels.metadata.LayerPrefixes).
+store (every loaded prefix's K/V, one after another, relaycli.kernels.metadata.LayerPrefixes).
 A program takes a tile of (query, head-in-group) rows of one KV head, as the one-prefix
 system kernel does, and walks the groups its rows belong to (rows are sorted, so those
 are a short run, usually one): for each, it streams split `split` of that group's prefix
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import PrefixTable
-from kernels.triton_plan import grouped_config
-from kernels.triton_system_attention import LOG2E, _finish, _online_block, check_prefix
+from relaycli.kernels.metadata import PrefixTable
+from relaycli.kernels.triton_plan import grouped_config
+from relaycli.kernels.triton_system_attention import LOG2E, _finish, _online_block, check_prefix
 
 
 @triton.jit(do_not_specialize=["n_rows", "num_groups"])

@@ -23,15 +23,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata
-from kernels.triton_context_attention import check_paged, context_splits, paged_attention
-from kernels.triton_grouped_system import grouped_system_attention_into
-from kernels.triton_paged_decode import group_prefixes
-from kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from kernels.triton_plan import (DECODE_TILE, fused_decode_plan, fused_tile, matrix_bound, resident_splits, split_plan,
+from relaycli.kernels import reference
+from relaycli.kernels.metadata import AttentionMetadata
+from relaycli.kernels.triton_context_attention import check_paged, context_splits, paged_attention
+from relaycli.kernels.triton_grouped_system import grouped_system_attention_into
+from relaycli.kernels.triton_paged_decode import group_prefixes
+from relaycli.kernels.triton_paged_decode import prefix_paged_attention as _baseline
+from relaycli.kernels.triton_plan import (DECODE_TILE, fused_decode_plan, fused_tile, matrix_bound, resident_splits, split_plan,
                                  system_config)
-from kernels.triton_system_attention import merge_partials, system_attention_into
+from relaycli.kernels.triton_system_attention import merge_partials, system_attention_into
 
 __all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", "write_kv"]
 
@@ -39,7 +39,7 @@ __all__ = ["relay_attention", "relay_attention_with", "prefix_paged_attention", 
 def relay_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
                     side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """RelayAttention; same contract as kernels.reference.relay_attention. Returns o [N, Hq, D].
+    """RelayAttention; same contract as relaycli.kernels.reference.relay_attention. Returns o [N, Hq, D].
 
     side_stream: the stream the overlapped context step runs on (the engine passes the one
     its attention backend owns); None takes one from torch's stream pool."""
@@ -66,7 +66,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     most one slot an SM and context programs run beside them (plan_system: None where that
     fits under the context step, True always, False never). docs/kernels.md has the
     measurements.
-    side_stream: the overlap's second stream, owned by the caller (kernels.backend.PagedAttention
+    side_stream: the overlap's second stream, owned by the caller (relaycli.kernels.backend.PagedAttention
     keeps one per engine); None takes one from torch's stream pool (high priority with system_side).
     fused: None: a CUDA graph's decode step (meta.graphed), every row behind one prefix, runs
     the own keys inside the warp-specialised system program (kernels/gluon_fused_relay.py),
@@ -87,7 +87,7 @@ def relay_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if fused is None and not any(k is not None for k in knobs):
         splits = fused_step_splits(q, k_cache, v_cache, meta, groups)
         if splits is not None:
-            from kernels.gluon_fused_relay import fused_relay_decode  # Gluon: sm_90 only
+            from relaycli.kernels.gluon_fused_relay import fused_relay_decode  # Gluon: sm_90 only
             (_, k_sys, v_sys), = groups
             return fused_relay_decode(q.contiguous(), k_sys, v_sys, k_cache, v_cache, meta.block_tables,
                                       meta.context_lens, scale, splits, **fused_tile(n, hq, hkv))[0]
@@ -274,7 +274,7 @@ def pool_stream(device: torch.device, high_priority: bool = False) -> torch.cuda
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """The --no-relay baseline; same contract as kernels.reference.prefix_paged_attention."""
+    """The --no-relay baseline; same contract as relaycli.kernels.reference.prefix_paged_attention."""
     return _baseline(q, k_cache, v_cache, meta, prefixes, scale)
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.triton_context_attention import check_paged, context_splits, paged_attention
-from kernels.triton_system_attention import merge_partials
+from relaycli.kernels.metadata import AttentionMetadata
+from relaycli.kernels.triton_context_attention import check_paged, context_splits, paged_attention
+from relaycli.kernels.triton_system_attention import merge_partials
 
 
 def group_prefixes(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -51,7 +51,7 @@ def sequence_groups(meta: AttentionMetadata, groups) -> tuple[torch.Tensor | Non
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
                            num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """Same contract as kernels.reference.prefix_paged_attention.
+    """Same contract as relaycli.kernels.reference.prefix_paged_attention.
 
     q [N, Hq, D]; caches [num_blocks, block_size, Hkv, D]; prefixes[slot] = (k, v) [S, Hkv, D].
     Returns o [N, Hq, D] in q's dtype. num_splits forces the split-K factor (tests, tuning).

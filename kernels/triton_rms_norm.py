@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels.pdl import launch_options
+from relaycli.kernels.pdl import launch_options
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """x, residual [N, H] (residual None on the first layer), weight [H] ->
     (rmsnorm(x + residual) * weight, x + residual), both [N, H] in x's dtype.
 
-    pdl: launch as a programmatic dependent of the kernel before (kernels.pdl)."""
+    pdl: launch as a programmatic dependent of the kernel before (relaycli.kernels.pdl)."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [N, H] with unit last stride, got {tuple(x.shape)}"
     n, hidden = x.shape
     assert weight.shape == (hidden,) and weight.dtype == x.dtype and weight.is_contiguous(), \

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels.pdl import launch_options
-from kernels.reference import check_kv_write
+from relaycli.kernels.pdl import launch_options
+from relaycli.kernels.reference import check_kv_write
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def _launch(q, k, cos, sin, q_out, k_out, v, v_out, slots, k_row_stride, v_row_s
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D], k [N, Hkv, D] (views with unit last stride are fine), cos/sin [N, D] or
-    [N, 1, D] in q's dtype -> rotated q, k, new contiguous tensors. pdl: kernels.pdl."""
+    [N, 1, D] in q's dtype -> rotated q, k, new contiguous tensors. pdl: relaycli.kernels.pdl."""
     cos, sin = _check(q, k, cos, sin)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -116,7 +116,7 @@ def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     One launch instead of three (rope, then write_kv's two copies) and no k tensor in
     between; k/v land exactly as rope + write_kv would put them. q, k, v [N, H, D] with unit
     last stride; caches [num_blocks, block_size, Hkv, D] contiguous; slot_mapping [N] int64.
-    Returns the rotated q [N, Hq, D]. pdl: kernels.pdl.
+    Returns the rotated q [N, Hq, D]. pdl: relaycli.kernels.pdl.
     """
     cos, sin = _check(q, k, cos, sin)
     check_kv_write(k_cache, v_cache, k, v, slot_mapping)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels.pdl import launch_options
+from relaycli.kernels.pdl import launch_options
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, width, stride_gu, stride_o, BLOCK: tl.cons
 def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """gate_up [N, 2I] (gate then up, one matmul's output) -> silu(gate) * up [N, I].
 
-    pdl: launch as a programmatic dependent of the kernel before (kernels.pdl)."""
+    pdl: launch as a programmatic dependent of the kernel before (relaycli.kernels.pdl)."""
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0, \
         f"gate_up must be [N, 2I] with unit last stride, got {tuple(gate_up.shape)}"
     n, width = gate_up.shape[0], gate_up.shape[1] // 2

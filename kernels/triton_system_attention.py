@@ -19,8 +19,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.pdl import launch_options, pdl_supported
-from kernels.triton_plan import DECODE_TILE, merge_block_h, merge_unroll, split_plan, system_config, tma_ok
+from relaycli.kernels.pdl import launch_options, pdl_supported
+from relaycli.kernels.triton_plan import DECODE_TILE, merge_block_h, merge_unroll, split_plan, system_config, tma_ok
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -233,7 +233,7 @@ def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> b
     """Whether kernels/gluon_system_attention.py can take this problem (Hopper, 16-bit, D 64/128)."""
     if not (q.is_cuda and triton.__version__.startswith(GLUON_TRITON_VERSIONS)):
         return False
-    from kernels.gluon_system_attention import gluon_ok
+    from relaycli.kernels.gluon_system_attention import gluon_ok
     return gluon_ok(q, k_sys) and gluon_ok(q, v_sys)
 
 
@@ -269,7 +269,7 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     if gluon is None:  # as tma=None: a graph's step, whose descriptors are built once
         gluon = q.is_cuda and graphed
     if gluon and gluon_usable(q, k_sys, v_sys):
-        from kernels.gluon_system_attention import gluon_system_attention_into
+        from relaycli.kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
                                     cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"],
                                     ws=ws is not False, **ws_kw)
@@ -304,7 +304,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
     None: triton_plan.merge_unroll's choice for the grid. block_h: heads a program (a power
     of two; None: triton_plan.merge_block_h's choice); num_warps: the program's warps.
     pdl: launched as a programmatic dependent of the kernel before it on the stream (sm_90,
-    kernels.pdl), its programs placed as that kernel's last ones leave and waiting for it in
+    relaycli.kernels.pdl), its programs placed as that kernel's last ones leave and waiting for it in
     griddepcontrol.wait before any load (the same bits)."""
     assert not pdl or pdl_supported(o_part.device), "pdl needs an sm_90 or newer CUDA device"
     assert unroll is None or unroll >= 1, f"unroll must be at least 1, got {unroll}"
@@ -331,7 +331,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torc
 def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                      num_splits: int | None = None, config: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as kernels.reference.system_attention.
+    """Same contract as relaycli.kernels.reference.system_attention.
 
     q [N, Hq, D], k_sys/v_sys [S, Hkv, D] -> o [N, Hq, D] (q's dtype), lse [N, Hq] fp32.
     """

@@ -11,9 +11,9 @@ import dataclasses
 
 import torch
 
-from models.config import ModelConfig
-from models.llama import CausalLM
-from models.weights import init_random_weights
+from relaycli.models.config import ModelConfig
+from relaycli.models.llama import CausalLM
+from relaycli.models.weights import init_random_weights
 
 _LLAMA2 = dict(architecture="LlamaForCausalLM", vocab_size=32000, max_position_embeddings=4096,
                rms_norm_eps=1e-5, rope_theta=10000.0)

@@ -8,7 +8,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from models.config import ModelConfig, ModelConfigError
+from relaycli.models.config import ModelConfig, ModelConfigError
 
 # GGUF architectures whose tensors this loader knows how to name and un-permute.
 SUPPORTED_GGUF_ARCHS = ("llama",)

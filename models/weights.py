@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from models.llama import CausalLM
+from relaycli.models.llama import CausalLM
 
 # Matrix kernels (MKL) may round differently for operands at other alignments; torch's
 # CPU allocator gives 64 bytes, so a tensor used in place must be aligned as well.

@@ -33,31 +33,14 @@ def _version(value: bool) -> None:
 def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
     """relay: compile a system prompt once, then stream request files through it."""
-    refuse_kernels_clash()
-
-
-def refuse_kernels_clash() -> None:
-    """One line and exit 2 where Hugging Face's `kernels` distribution is installed: its
-    import name is that of relay's own kernels/ package, and transformers imports it
-    whenever it is installed (transformers 5.25 and later require it), finding relay's
-    instead, so every model load would fail inside transformers."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        found = version("kernels")
-    except PackageNotFoundError:
-        return
-    err_console.print(f"[red]error:[/red] the installed package 'kernels' ({escape(found)}, Hugging Face's) has the "
-                      "import name of relay's own kernels package, so transformers would load relay's; remove it "
-                      "with `pip uninstall kernels` (relay needs transformers < 5.25, which does not require it)")
-    raise typer.Exit(2)
 
 
 @contextmanager
 def _user_errors():
     """Known refusals become one red line and exit status 2, not a traceback."""
-    from models.config import ModelConfigError
-    from models.tokenizer import TokenizerError
-    from models.weights import WeightError
+    from relaycli.models.config import ModelConfigError
+    from relaycli.models.tokenizer import TokenizerError
+    from relaycli.models.weights import WeightError
     from relaycli.artifact import ArtifactError
     from relaycli.compile import CompileError
     from relaycli.io.reader import InputError

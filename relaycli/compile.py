@@ -10,10 +10,10 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_flash
-from kernels.backend import default_impl
-from kernels.reference import attention_lse
-from models.registry import LoadedModel
+from relaycli.kernels import cpu_flash
+from relaycli.kernels.backend import default_impl
+from relaycli.kernels.reference import attention_lse
+from relaycli.models.registry import LoadedModel
 from relaycli.artifact import Artifact, ArtifactError, dtype_name, read_artifact, save_artifact
 
 # Different user turns: their renderings share exactly the system part and the

@@ -11,7 +11,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in flight (--max-batch)
     max_num_batched_tokens: int = 8192  # prompt tokens one prefill step may take
     min_prefill_seqs: int | None = None  # free slots that start a prefill round; None: max_num_seqs // 8
-    block_size: int | None = None  # own keys a KV cache block; None: kernels.triton_plan.default_block_size
+    block_size: int | None = None  # own keys a KV cache block; None: relaycli.kernels.triton_plan.default_block_size
     kv_cache_gb: float | None = None  # None: a share of free memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
     relay: bool = True  # False: the --no-relay baseline

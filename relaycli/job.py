@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kernels.compile_log import CompileLog
-from models.registry import LoadedModel, load_model
+from relaycli.kernels.compile_log import CompileLog
+from relaycli.models.registry import LoadedModel, load_model
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig

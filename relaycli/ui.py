@@ -40,7 +40,7 @@ def compile_with_progress(sys_txts: list[Path], model: str | None, out: Path | N
                           device: str | None, quiet: bool) -> None:
     """Every file is checked (readable text, a writable output that is no other file) before
     the model loads once for all of them."""
-    from models.registry import load_model
+    from relaycli.models.registry import load_model
     from relaycli.compile import compile_prompt, read_system_text
     from relaycli.io.writer import OutputError, check_writable, same_file
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from models.registry import default_gguf_path, load_model
+from relaycli.models.registry import default_gguf_path, load_model
 from relaycli.compile import compile_prompt, load_checked, read_system_text
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a bare checkout too
 
-from kernels import triton_ops  # noqa: E402
-from models.registry import load_model  # noqa: E402
+from relaycli.kernels import triton_ops  # noqa: E402
+from relaycli.models.registry import load_model  # noqa: E402
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids  # noqa: E402
 from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.hf_peer import hf_twin  # noqa: E402
@@ -61,7 +61,7 @@ def check_default(device: str, max_tokens: int, dtype: str = "float32") -> dict:
     """
     lm = load_model(None, dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM
-    from models.registry import default_gguf_path
+    from relaycli.models.registry import default_gguf_path
     path = default_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=getattr(torch, dtype)).to(device)

@@ -33,12 +33,12 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_context_attention import paged_attention  # noqa: E402
-from kernels.triton_ops import relay_attention_with  # noqa: E402
-from kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
-from kernels.triton_plan import split_plan, system_config  # noqa: E402
-from kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
+from relaycli.kernels import reference as ref  # noqa: E402
+from relaycli.kernels.triton_context_attention import paged_attention  # noqa: E402
+from relaycli.kernels.triton_ops import relay_attention_with  # noqa: E402
+from relaycli.kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
+from relaycli.kernels.triton_plan import split_plan, system_config  # noqa: E402
+from relaycli.kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 from relaycli.bench.timing import cuda_median_us, l2_flusher, replayed  # noqa: E402

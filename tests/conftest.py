@@ -26,5 +26,5 @@ def relay_cache_dir(tmp_path_factory):
 @pytest.fixture(scope="package")
 def default_model(relay_cache_dir):
     """The embedded default model (SmolLM2-135M-Instruct) in fp32 on CPU."""
-    from models.registry import load_model
+    from relaycli.models.registry import load_model
     return load_model(None, dtype="float32", device="cpu")

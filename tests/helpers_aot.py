@@ -30,10 +30,10 @@ def griddep(fn, constexprs: dict, pointers: dict, **options) -> list[str]:
 
 
 def layer_ops(pdl: bool) -> dict[str, list[str]]:
-    """The small kernels between a layer's products (kernels.pdl), as the engine launches them."""
-    from kernels.triton_rms_norm import _add_rms_norm_kernel
-    from kernels.triton_rope import _rope_kernel
-    from kernels.triton_silu_mul import _silu_mul_kernel
+    """The small kernels between a layer's products (relaycli.kernels.pdl), as the engine launches them."""
+    from relaycli.kernels.triton_rms_norm import _add_rms_norm_kernel
+    from relaycli.kernels.triton_rope import _rope_kernel
+    from relaycli.kernels.triton_silu_mul import _silu_mul_kernel
     bf16 = lambda *names: {name: "*bf16" for name in names}  # noqa: E731
     return {
         "add_rms_norm": griddep(_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=pdl),

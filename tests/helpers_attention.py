@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
 
 
 def random_problem(*, q_lens: list[int], ctx_lens: list[int], prefix_of: list[int],
@@ -60,7 +60,7 @@ def random_problem(*, q_lens: list[int], ctx_lens: list[int], prefix_of: list[in
 
 def expected_output(q, k_cache, v_cache, prefixes, meta, prefix_of, scale):
     """float64 textbook attention over concatenated prefix + own keys, per sequence."""
-    from kernels.reference import naive_attention
+    from relaycli.kernels.reference import naive_attention
     outs = []
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])

@@ -27,8 +27,8 @@ CHATML_TEMPLATE = (
 
 def default_tokenizer_dir(tmp: Path) -> Path:
     """The default model's tokenizer converted from its GGUF file and saved as relay's cache does."""
-    from models.registry import default_gguf_path
-    from models.tokenizer import ChatTokenizer
+    from relaycli.models.registry import default_gguf_path
+    from relaycli.models.tokenizer import ChatTokenizer
 
     out = tmp / "smollm2"
     ChatTokenizer.from_gguf(default_gguf_path(), [2]).save(out)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kernels.reference import attention_lse
+from relaycli.kernels.reference import attention_lse
 from relaycli.artifact import ArtifactError, read_artifact, save_artifact
 from relaycli.cli import app
 from relaycli.compile import (CompileError, check_artifact, compile_prompt, load_checked, prefill_kv,
@@ -397,7 +397,7 @@ def test_header_that_is_no_object_is_refused(tmp_path, head):
 def _no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the output path was checked")
-    monkeypatch.setattr("models.registry.load_model", refuse)
+    monkeypatch.setattr("relaycli.models.registry.load_model", refuse)
 
 
 def test_cli_compile_to_a_folder_is_refused_first(tmp_path, monkeypatch):
@@ -500,7 +500,7 @@ def test_cli_recompiles_over_an_artifact_of_any_name(compiled, tmp_path, monkeyp
     # The content decides, not the suffix: an artifact named sys.kv is replaced, a request file is not.
     import relaycli.ui as ui
     calls = []
-    monkeypatch.setattr("models.registry.load_model", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+    monkeypatch.setattr("relaycli.models.registry.load_model", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
         RuntimeError("stop after the path checks")))
     sys_txt = tmp_path / "sys.txt"
     sys_txt.write_text(SYSTEM)

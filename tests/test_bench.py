@@ -317,7 +317,7 @@ def test_run_engine_samples_with_each_requests_seed():
     do not depend on the batch limit (each request draws from its own seed)."""
     import random
 
-    from models.registry import load_model
+    from relaycli.models.registry import load_model
     from relaycli.bench.e2e import run_engine
     lm = load_model("dummy:tiny", "float32", "cpu")
     rng = random.Random()
@@ -350,7 +350,7 @@ def test_build_step_with_unequal_lengths_attends_each_row_to_its_own_keys():
     over the prefix and each row's own keys, checked in float64 row by row."""
     import torch
 
-    from kernels.reference import naive_attention, relay_attention
+    from relaycli.kernels.reference import naive_attention, relay_attention
     from relaycli.bench.kernels import build_step
     gen = torch.Generator()
     gen.manual_seed(torch.seed())
@@ -446,7 +446,7 @@ def test_through_run_texts_have_the_asked_token_lengths():
     own tokens, the shortest reachable."""
     import random
 
-    from models.registry import load_model
+    from relaycli.models.registry import load_model
     from relaycli.bench.run_texts import TextFitError, WordBank, fit_system_text, fit_user_rows
     from relaycli.compile import TokenPrefix, shared_prefix_ids
     from relaycli.prompts import PromptMatcher

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.registry import load_model
+from relaycli.models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.cuda_graph import (BATCH_BUCKETS, EAGER_TOO_MANY_PREFIXES, MAX_TABLE_GROUPS, MIXED, DecodeGraphs,
@@ -173,8 +173,8 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
     their own, each captured at a total that plans the same, and all_keys lists them."""
     from types import SimpleNamespace
 
-    from kernels import triton_ops, triton_plan
-    from kernels.triton_plan import DECODE_TILE, WS_TILE
+    from relaycli.kernels import triton_ops, triton_plan
+    from relaycli.kernels.triton_plan import DECODE_TILE, WS_TILE
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200 (sm_90)
     monkeypatch.setattr(triton_ops, "system_config", lambda rows, d, device, elem, kv_heads: dict(
         WS_TILE if triton_plan.ws_pays(rows, kv_heads, 132) else DECODE_TILE))
@@ -214,7 +214,7 @@ def test_fused_tile_is_wide_where_a_kv_head_has_four_row_tiles():
     """The fused kernel's 128-key prefix tile (Q in shared memory) where a KV head has 4+ row
     tiles of 128 query rows: llama3-8b heads at batch 256 (measured faster on the H200) and
     128; not at batch 64, nor llama2-7b's G = 1 at 256 (measured slower: the own keys lead)."""
-    from kernels import triton_plan
+    from relaycli.kernels import triton_plan
     assert triton_plan.fused_tile(256, 32, 8) == triton_plan.FUSED_WIDE_TILE
     assert triton_plan.fused_tile(128, 32, 8) == triton_plan.FUSED_WIDE_TILE
     assert triton_plan.fused_tile(97, 32, 8) == triton_plan.FUSED_WIDE_TILE  # 388 rows: 4 tiles, the last short
@@ -227,7 +227,7 @@ def test_fused_tile_is_wide_where_a_kv_head_has_four_row_tiles():
 def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     """Where the fused own-key step runs (sm_90, 64-key blocks, 16-bit) and pays: the
     H200 tables in triton_plan.fused_decode_plan's docstring."""
-    from kernels import triton_ops, triton_plan
+    from relaycli.kernels import triton_ops, triton_plan
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_plan, "is_sm90", lambda device: True)
     cpu = torch.device("cpu")
@@ -266,7 +266,7 @@ def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
 def test_engine_cache_blocks_default_by_device():
     """64-key blocks on CUDA (the fused step reads one a TMA chunk), 16 elsewhere; a config's
     block size wins."""
-    from kernels.triton_plan import default_block_size
+    from relaycli.kernels.triton_plan import default_block_size
     assert default_block_size(torch.device("cuda")) == 64 and default_block_size(torch.device("cpu")) == 16
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
     assert Engine(lm, [], EngineConfig(kv_cache_gb=0.01)).runner.block_size == 16

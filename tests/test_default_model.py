@@ -14,9 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models.fingerprint import sha256_file  # noqa: E402
-from models.registry import default_gguf_path, load_model  # noqa: E402
-from models.config import ModelConfigError  # noqa: E402
+from relaycli.models.fingerprint import sha256_file  # noqa: E402
+from relaycli.models.registry import default_gguf_path, load_model  # noqa: E402
+from relaycli.models.config import ModelConfigError  # noqa: E402
 
 try:
     GGUF = default_gguf_path()

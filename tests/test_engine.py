@@ -56,7 +56,7 @@ def _run(loaded, artifacts, rows, **cfg):
 @pytest.fixture(scope="module")
 def hf_reference(default_model):
     from transformers import AutoModelForCausalLM
-    from models.registry import default_gguf_path
+    from relaycli.models.registry import default_gguf_path
     path = default_gguf_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
 

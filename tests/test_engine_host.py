@@ -105,7 +105,7 @@ def test_stop_watch_finds_the_stop_that_a_full_decode_finds(default_model):
 
 def test_compile_log_counts_compiles_and_cache_loads_and_chains_the_listener_before_it():
     knobs = pytest.importorskip("triton.knobs")
-    from kernels.compile_log import CompileLog
+    from relaycli.kernels.compile_log import CompileLog
     seen = []
     before = knobs.compilation.listener
     knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])

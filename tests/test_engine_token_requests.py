@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from models.registry import load_model
+from relaycli.models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine, TokenRequest

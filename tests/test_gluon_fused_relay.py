@@ -13,15 +13,15 @@ if not torch.cuda.is_available():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_plan import FUSED_WIDE_TILE, fused_decode_plan, is_sm90  # noqa: E402
+from relaycli.kernels import reference as ref  # noqa: E402
+from relaycli.kernels.triton_plan import FUSED_WIDE_TILE, fused_decode_plan, is_sm90  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.timing import replayed  # noqa: E402
 
 if not is_sm90(torch.device("cuda")):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
+from relaycli.kernels.gluon_fused_relay import fused_relay_decode  # noqa: E402
 
 
 def _step(hq, hkv, d, lens, prefix, dtype):
@@ -120,8 +120,8 @@ def test_graphed_engine_step_runs_the_fused_kernel(monkeypatch):
     # it pays (a graph's padding rows have no own keys: context_lens 0), and the same step
     # run eagerly, or with fused=False, takes the older paths: all equal to the reference
     # (G = 4, 2, 1 and 3, SmolLM2's: its requests' rows straddle two programs' 128)
-    import kernels.gluon_fused_relay as gfr
-    from kernels import triton_ops
+    import relaycli.kernels.gluon_fused_relay as gfr
+    from relaycli.kernels import triton_ops
     launches = []
 
     def counted(*args, **kw):

@@ -11,7 +11,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from models.registry import load_model  # noqa: E402
+from relaycli.models.registry import load_model  # noqa: E402
 from relaycli.compile import prefix_from_ids  # noqa: E402
 from relaycli.config import EngineConfig  # noqa: E402
 from relaycli.engine.cuda_graph import MIXED  # noqa: E402

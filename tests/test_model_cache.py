@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-import models.registry as registry
-from models.config import ModelConfigError
-from models.registry import load_model
+import relaycli.models.registry as registry
+from relaycli.models.config import ModelConfigError
+from relaycli.models.registry import load_model
 
 try:
     registry.default_gguf_path()

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
-from models.dummy import PRESETS, dummy_config
-from models.llama import CausalLM
-from models.registry import load_model
-from models.tokenizer import TokenizerError
-from models.weights import WeightError, assign_weights, init_random_weights
+from relaycli.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from relaycli.models.dummy import PRESETS, dummy_config
+from relaycli.models.llama import CausalLM
+from relaycli.models.registry import load_model
+from relaycli.models.tokenizer import TokenizerError
+from relaycli.models.weights import WeightError, assign_weights, init_random_weights
 
 TINY_HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
@@ -342,6 +342,6 @@ def test_a_built_model_refuses_to_be_moved_or_cast():
 
 @pytest.mark.parametrize("name", ["tpu", "meta", "mps", "", "cuda:abc", "cpu:x"])
 def test_unknown_device_is_one_sentence(name):
-    from models.registry import resolve_device
+    from relaycli.models.registry import resolve_device
     with pytest.raises(ModelConfigError, match="unknown device .*use cpu, cuda or cuda:N"):
         resolve_device(name)

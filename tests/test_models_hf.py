@@ -1,9 +1,9 @@
 """relay's Llama-family forward pass against transformers, through the real paged path.
 
 Each test builds a tiny random transformers model (fresh weights every run), saves it
-as a Hugging Face directory, loads it with `models.registry.load_model`, and compares
+as a Hugging Face directory, loads it with `relaycli.models.registry.load_model`, and compares
 logits for a packed prefill and for decode steps through relay's paged KV cache
-(kernels.backend.PagedAttention, reference ops) against transformers' own forward with
+(relaycli.kernels.backend.PagedAttention, reference ops) against transformers' own forward with
 its own past_key_values.
 """
 
@@ -20,9 +20,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernels.backend import PagedAttention  # noqa: E402
-from kernels.metadata import AttentionMetadata, PrefixGroup  # noqa: E402
-from models.registry import load_model  # noqa: E402
+from relaycli.kernels.backend import PagedAttention  # noqa: E402
+from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup  # noqa: E402
+from relaycli.models.registry import load_model  # noqa: E402
 
 VOCAB = 256
 FP32_TOL = 1e-4

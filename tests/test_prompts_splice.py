@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from models.tokenizer import ChatTokenizer
+from relaycli.models.tokenizer import ChatTokenizer
 from relaycli.compile import shared_prefix_ids
 from relaycli.prompts import PromptError, PromptMatcher, plan_splice
 from tests import helpers_tokenizers as H

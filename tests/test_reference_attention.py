@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kernels.reference import (attention_lse, merge_attention, prefix_paged_attention,
+from relaycli.kernels.reference import (attention_lse, merge_attention, prefix_paged_attention,
                                relay_attention, system_attention)
 from tests.helpers_attention import expected_output, random_problem
 
@@ -69,7 +69,7 @@ def test_system_attention_stacks_all_queries():
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_flash_path_equals_reference(decode, dtype):
-    from kernels import cpu_flash
+    from relaycli.kernels import cpu_flash
     if not cpu_flash.is_available():
         pytest.skip("this torch has no fused CPU flash attention")
     rng = random.Random()
@@ -78,7 +78,7 @@ def test_cpu_flash_path_equals_reference(decode, dtype):
     scale = 1 / math.sqrt(shapes["head_dim"])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name in ("relay_attention", "prefix_paged_attention"):
-        want = getattr(__import__("kernels.reference", fromlist=[name]), name)(q, kc, vc, meta, prefixes, scale)
+        want = getattr(__import__("relaycli.kernels.reference", fromlist=[name]), name)(q, kc, vc, meta, prefixes, scale)
         got = getattr(cpu_flash, name)(q, kc, vc, meta, prefixes, scale)
         assert (got.float() - want.float()).abs().max().item() < tol * max(1.0, want.float().abs().max().item()), name
     expect = expected_output(q.float(), kc.float(), vc.float(), [(k.float(), v.float()) for k, v in prefixes], meta,
@@ -88,7 +88,7 @@ def test_cpu_flash_path_equals_reference(decode, dtype):
 
 
 def test_fused_lse_marks_rows_without_keys():
-    from kernels import cpu_flash
+    from relaycli.kernels import cpu_flash
     if not cpu_flash.is_available():
         pytest.skip("this torch has no fused CPU flash attention")
     q, k, v = torch.randn(2, 5, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)

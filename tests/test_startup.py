@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import relaycli.artifact as artifact
-from models.config import ModelConfig
-from models.llama import CausalLM
-from models.weights import (WeightError, assign_weights, init_random_weights, map_weights, save_weights,
+from relaycli.models.config import ModelConfig
+from relaycli.models.llama import CausalLM
+from relaycli.models.weights import (WeightError, assign_weights, init_random_weights, map_weights, save_weights,
                             storage_layout)
 
 TINY = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=96, hidden_size=32, intermediate_size=48,
@@ -32,9 +32,9 @@ def _imports(code: str) -> set[str]:
 def test_imports_stay_with_what_a_command_uses():
     cli = _imports("import relaycli.cli")  # relay --help
     assert "torch" not in cli
-    registry = _imports("import models.registry")
-    for lazy in ("gguf", "safetensors", "transformers", "models.gguf_loader", "models.hf_loader", "models.tokenizer"):
-        assert lazy not in registry, f"importing models.registry imports {lazy}"
+    registry = _imports("import relaycli.models.registry")
+    for lazy in ("gguf", "safetensors", "transformers", "relaycli.models.gguf_loader", "relaycli.models.hf_loader", "relaycli.models.tokenizer"):
+        assert lazy not in registry, f"importing relaycli.models.registry imports {lazy}"
 
 
 def _reference_model(seed: int) -> tuple[CausalLM, dict[str, torch.Tensor]]:

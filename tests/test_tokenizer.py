@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from models.tokenizer import ChatTokenizer, TokenizerError
+from relaycli.models.tokenizer import ChatTokenizer, TokenizerError
 from tests import helpers_tokenizers as H
 
 transformers = pytest.importorskip("transformers")
@@ -62,7 +62,7 @@ def test_same_text_ids_and_decoding_as_transformers(dirs, name):
 
 
 def test_gguf_conversion_saves_and_loads_back_identically(dirs, tmp_path):
-    from models.registry import default_gguf_path
+    from relaycli.models.registry import default_gguf_path
 
     gguf = default_gguf_path()
     first = ChatTokenizer.from_gguf(gguf, [2])
@@ -146,7 +146,7 @@ def test_loading_rendering_and_decoding_do_not_import_transformers(dirs):
     code = f"""
 import sys
 from pathlib import Path
-from models.tokenizer import ChatTokenizer
+from relaycli.models.tokenizer import ChatTokenizer
 from relaycli.prompts import PromptMatcher
 from relaycli.compile import shared_prefix_ids
 tok = ChatTokenizer.from_dir(Path({str(dirs["chatml"])!r}), [2])

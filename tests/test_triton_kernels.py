@@ -20,20 +20,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-_MODULES = ["kernels.triton_system_attention", "kernels.triton_context_attention",
-            "kernels.triton_grouped_system", "kernels.triton_paged_decode", "kernels.triton_ops"]
+_MODULES = ["relaycli.kernels.triton_system_attention", "relaycli.kernels.triton_context_attention",
+            "relaycli.kernels.triton_grouped_system", "relaycli.kernels.triton_paged_decode", "relaycli.kernels.triton_ops"]
 # @triton.jit picks interpreter or compiler at import: re-import modules someone loaded earlier
 for _name in _MODULES:
     if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
         importlib.reload(sys.modules[_name])
 
-from kernels import reference as ref  # noqa: E402
-from kernels.metadata import LayerPrefixes, PrefixTable, prefix_table_rows  # noqa: E402
-from kernels.pdl import pdl_supported  # noqa: E402
-from kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
-from kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
-from kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
-from kernels.triton_system_attention import merge_partials, system_attention  # noqa: E402
+from relaycli.kernels import reference as ref  # noqa: E402
+from relaycli.kernels.metadata import LayerPrefixes, PrefixTable, prefix_table_rows  # noqa: E402
+from relaycli.kernels.pdl import pdl_supported  # noqa: E402
+from relaycli.kernels.triton_context_attention import context_attention, paged_attention  # noqa: E402
+from relaycli.kernels.triton_paged_decode import prefix_paged_attention as baseline_with  # noqa: E402
+from relaycli.kernels.triton_ops import prefix_paged_attention, relay_attention, relay_attention_with, write_kv  # noqa: E402
+from relaycli.kernels.triton_system_attention import merge_partials, system_attention  # noqa: E402
 from tests.helpers_attention import expected_output, random_problem  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -417,8 +417,8 @@ def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan
     step is planned as a decode graph of that context bucket plans it, priced by the real own
     keys (meta.context_tokens); priced at the bucket's bound, 4,096 and 256 would take the
     64-row tile."""
-    import kernels.gluon_system_attention as gsa
-    from kernels.triton_plan import is_sm90
+    import relaycli.kernels.gluon_system_attention as gsa
+    from relaycli.kernels.triton_plan import is_sm90
     if not is_sm90(torch.device("cuda")):
         pytest.skip("the warp-specialised system kernel is Gluon's, for sm_90")
     rng = random.Random()
@@ -454,7 +454,7 @@ def test_gpu_graphed_relay_step_takes_the_warp_specialised_kernel_where_its_plan
 def test_gpu_short_context_tile_with_its_register_cap_gives_the_same_bits(dtype):
     """Relay's decode context step over short own contexts (the capped 32-key tile) writes the
     same bits with and without the cap, and matches the float64 reference."""
-    from kernels.triton_context_attention import paged_config
+    from relaycli.kernels.triton_context_attention import paged_config
     rng = random.Random()
     n = rng.randint(80, 300)
     q, kc, vc, _, meta = random_problem(q_lens=[1] * n, ctx_lens=[rng.randint(1, 500) for _ in range(n)],
@@ -477,7 +477,7 @@ def test_gpu_short_context_tile_with_its_register_cap_gives_the_same_bits(dtype)
 def test_ws_register_caps_split_what_the_launch_claims():
     """The warp-specialised program's consumers get what 12 warps at the cap hold, less the
     producer warpgroup's 24, in steps of 8; the default cap fills the register file."""
-    from kernels.gluon_system_attention import WS_REGS, ws_consumer_regs
+    from relaycli.kernels.gluon_system_attention import WS_REGS, ws_consumer_regs
     assert 12 * WS_REGS * 32 <= 64 * 1024 < 12 * (WS_REGS + 8) * 32 and ws_consumer_regs(WS_REGS) == 240
     for cap in range(48, 256, 8):
         regs = ws_consumer_regs(cap)
@@ -510,8 +510,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
     """The Hopper Gluon kernels (ws: the warp-specialised one, also capped at 128 registers):
     random GQA shapes, ragged and empty chunks, scattered rows, programs whose second
     warpgroup has no rows."""
-    import kernels.gluon_system_attention as gluon
-    from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
+    import relaycli.kernels.gluon_system_attention as gluon
+    from relaycli.kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
     probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
     if not gluon_usable(probe, probe, probe):
         pytest.skip("the Gluon kernel needs sm_90 and the Triton versions it was tested with")
@@ -548,8 +548,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
 def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
     """The default decode config: an eager step runs Triton, a CUDA graph's step (its eager
     pass and its capture) the Gluon kernel (on Hopper), and both match the reference."""
-    import kernels.gluon_system_attention as gsa
-    from kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
+    import relaycli.kernels.gluon_system_attention as gsa
+    from relaycli.kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
     q = torch.randn(96, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if not gluon_usable(q, k, v):
@@ -579,8 +579,8 @@ def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
 
 
 def test_decode_tiles_read_block_ids_ahead_only_on_grids_that_leave_the_chip_idle():
-    from kernels.triton_context_attention import paged_config
-    from kernels.triton_plan import num_sms
+    from relaycli.kernels.triton_context_attention import paged_config
+    from relaycli.kernels.triton_plan import num_sms
     dev = torch.device("cpu")
     slots = 2 * num_sms(dev)
     for keys, per_sm in ((128, 4), (4096, 3)):  # the 32-key tile; the 64-key one, larger with read-ahead
@@ -594,7 +594,7 @@ def test_decode_tiles_read_block_ids_ahead_only_on_grids_that_leave_the_chip_idl
 def test_short_decode_tile_carries_a_register_cap_on_cuda_only():
     """The full-grid 32-key decode tile is capped at 128 registers on CUDA (eight programs an
     SM instead of six); the interpreter, longer key ranges and prefill rows get no cap."""
-    from kernels.triton_context_attention import MAX_REGISTERS_SHORT_TILE, paged_config
+    from relaycli.kernels.triton_context_attention import MAX_REGISTERS_SHORT_TILE, paged_config
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # paged_config only reads the device type here
     short = paged_config(4, 128, cuda, 2, 300)
     assert short["BLOCK_N"] == 32 and short["maxnreg"] == MAX_REGISTERS_SHORT_TILE == 128, short
@@ -608,7 +608,7 @@ def test_relay_context_launches_plan_read_ahead_from_their_grid_and_the_baseline
     both pass its grid (sequences x KV heads) to paged_config, so the split plan and the
     launch agree; the baseline's launches pass None and keep the tiles they were timed
     with."""
-    from kernels import triton_context_attention as tca
+    from relaycli.kernels import triton_context_attention as tca
     seen = []
     real = tca.paged_config
 
@@ -630,7 +630,7 @@ def test_backend_gives_every_relay_call_its_one_side_stream(monkeypatch):
     """The engine's attention backend owns the overlap's second stream and passes it to each
     relay call (no module-level cache); the baseline takes none."""
     import types
-    from kernels import backend, triton_ops
+    from relaycli.kernels import backend, triton_ops
     calls = []
     monkeypatch.setattr(triton_ops, "relay_attention", lambda *a, **k: calls.append(("relay", k)) or a[0])
     monkeypatch.setattr(triton_ops, "prefix_paged_attention", lambda *a, **k: calls.append(("base", k)) or a[0])
@@ -649,7 +649,7 @@ def test_backend_gives_every_relay_call_its_one_side_stream(monkeypatch):
 
 
 def test_merge_unroll_keeps_loads_in_flight_only_for_grids_that_leave_the_chip_idle():
-    from kernels.triton_plan import merge_unroll, num_sms
+    from relaycli.kernels.triton_plan import merge_unroll, num_sms
     dev = torch.device("cpu")
     slots = 2 * num_sms(dev)
     assert merge_unroll(1, dev) == 4 and merge_unroll(slots, dev) == 4
@@ -657,7 +657,7 @@ def test_merge_unroll_keeps_loads_in_flight_only_for_grids_that_leave_the_chip_i
 
 
 def test_merge_block_h_splits_heads_only_while_the_grid_is_small(monkeypatch):
-    import kernels.triton_plan as plan
+    import relaycli.kernels.triton_plan as plan
     monkeypatch.setattr(plan, "num_sms", lambda device: 132)  # an H200's
     dev = torch.device("cpu")
     # llama3-8b's 32 heads of 128: a row's 32 heads are 4,096 values, so 16 at most a program;
@@ -670,7 +670,7 @@ def test_merge_block_h_splits_heads_only_while_the_grid_is_small(monkeypatch):
 
 
 def test_split_plan_picks_powers_of_two_and_leaves_full_batches_whole():
-    from kernels.triton_plan import split_plan
+    from relaycli.kernels.triton_plan import split_plan
     dev = torch.device("cpu")  # num_sms: 2 without CUDA, so 16 slots at per_sm=8
     seen = set()
     for programs in range(1, 17):
@@ -688,8 +688,8 @@ def test_overlapped_step_keeps_the_64_row_tile_where_the_system_kernel_runs_besi
     """plan_system: an unforced warp-specialised tile (which holds a whole SM) gives way to
     DECODE_TILE where the system kernel fits beside the context; where the system step
     is the longer one it stays, planned for its own grid; a forced tile is kept."""
-    from kernels import triton_ops, triton_plan
-    from kernels.triton_plan import DECODE_TILE, WS_TILE
+    from relaycli.kernels import triton_ops, triton_plan
+    from relaycli.kernels.triton_plan import DECODE_TILE, WS_TILE
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_ops, "system_config", lambda *args: dict(WS_TILE))
 
@@ -707,8 +707,8 @@ def test_overlapped_step_keeps_the_64_row_tile_where_the_system_kernel_runs_besi
 def test_warp_specialised_system_tile_is_chosen_by_its_grid_on_hopper_only(monkeypatch):
     """ws_pays: the unsplit grid of 128-row programs covers a quarter of the SMs; the tile
     goes only to sm_90 (Gluon), and never to the interpreter or prefill-sized problems."""
-    from kernels import triton_plan
-    from kernels.triton_plan import DECODE_TILE, PREFILL_ROWS, WS_TILE, system_config, ws_pays
+    from relaycli.kernels import triton_plan
+    from relaycli.kernels.triton_plan import DECODE_TILE, PREFILL_ROWS, WS_TILE, system_config, ws_pays
     # H200, 132 SMs: batch 256 (64 programs, llama2-7b and llama3-8b heads) takes it,
     # batch 64 (16 and 32 programs) does not
     assert ws_pays(256 * 4, 8, 132) and ws_pays(256, 32, 132)
@@ -726,8 +726,8 @@ def test_warp_specialised_system_tile_is_chosen_by_its_grid_on_hopper_only(monke
 
 
 def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_context_is_larger(monkeypatch):
-    from kernels import triton_plan
-    from kernels.triton_ops import overlap_work, plan_system
+    from relaycli.kernels import triton_plan
+    from relaycli.kernels.triton_ops import overlap_work, plan_system
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200
     tile = dict(BLOCK_M=64, BLOCK_N=64, per_sm=2)  # the decode tile: two programs an SM
 

@@ -1,4 +1,4 @@
-"""Fused Triton layer ops (add + RMSNorm, RoPE, silu * up) against models.llama.EagerOps.
+"""Fused Triton layer ops (add + RMSNorm, RoPE, silu * up) against relaycli.models.llama.EagerOps.
 
 The fused ops round the way transformers does, so they must equal the eager ops to about
 one unit in the last place: the residual sum exactly, the rest within the differences of
@@ -19,12 +19,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-for _name in ["kernels.triton_rms_norm", "kernels.triton_rope", "kernels.triton_silu_mul"]:
+for _name in ["relaycli.kernels.triton_rms_norm", "relaycli.kernels.triton_rope", "relaycli.kernels.triton_silu_mul"]:
     if _name in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
         importlib.reload(sys.modules[_name])
 
-from kernels.backend import TritonLayerOps  # noqa: E402
-from models.llama import EAGER_OPS, RMSNorm  # noqa: E402
+from relaycli.kernels.backend import TritonLayerOps  # noqa: E402
+from relaycli.models.llama import EAGER_OPS, RMSNorm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -91,7 +91,7 @@ def test_rope_equals_eager(dtype, heads, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_into_cache_equals_rope_then_write_kv(dtype, rng):
     """The fused launch stores exactly what rope + write_kv store, and nothing else."""
-    from kernels.triton_ops import write_kv
+    from relaycli.kernels.triton_ops import write_kv
     n, d, kv = rng.randint(1, 9), rng.choice([16, 64]), rng.choice([1, 2, 3])
     hq = kv * rng.choice([1, 4])
     qkv = torch.randn(n, (hq + 2 * kv) * d, device=DEVICE).to(dtype)
@@ -117,7 +117,7 @@ def test_rope_into_cache_equals_rope_then_write_kv(dtype, rng):
 def test_engine_step_with_fused_rope_equals_the_unfused_step():
     """Through the model: the Triton back end rotating k into its cache gives the logits of
     rope, then write_kv, then attention (the same kernels, so bit for bit)."""
-    from models.registry import load_model
+    from relaycli.models.registry import load_model
     from relaycli.compile import prefix_from_ids
     from relaycli.config import EngineConfig
     from relaycli.engine.engine import Engine, TokenRequest
@@ -155,8 +155,8 @@ def test_silu_mul_equals_eager(dtype, rng):
 
 def test_model_forward_with_fused_ops_equals_eager(rng):
     """The tiny dummy model, fp32: the whole forward pass with fused ops equals the eager one."""
-    from kernels import reference
-    from models.registry import load_model
+    from relaycli.kernels import reference
+    from relaycli.models.registry import load_model
     lm = load_model("dummy:tiny", dtype="float32", device=DEVICE, seed=rng.randrange(1000))
     n = 11
     ids = torch.randint(0, lm.config.vocab_size, (n,), device=DEVICE)
@@ -178,8 +178,8 @@ def test_model_forward_with_fused_ops_equals_eager(rng):
 def test_gpu_layer_ops_launched_as_programmatic_dependents_give_the_same_bits(dtype, rng):
     """Each op right behind the matmul that feeds it (as in a layer), launched with PDL and
     without, eagerly and replayed from one CUDA graph on fresh inputs: the same bits, so
-    every op waited for its producer (kernels.pdl)."""
-    from kernels.backend import layer_ops
+    every op waited for its producer (relaycli.kernels.pdl)."""
+    from relaycli.kernels.backend import layer_ops
     assert layer_ops("triton", torch.device("cuda")).pdl and not layer_ops("triton", torch.device("cpu")).pdl
     n, hidden, kv, d = rng.choice([8, 256]), 4096, 8, 128
     x = torch.empty(n, hidden, device="cuda", dtype=dtype)

@@ -16,10 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-if "kernels.triton_sampler" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
-    importlib.reload(sys.modules["kernels.triton_sampler"])  # @triton.jit chose compiler at import
+if "relaycli.kernels.triton_sampler" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+    importlib.reload(sys.modules["relaycli.kernels.triton_sampler"])  # @triton.jit chose compiler at import
 
-from kernels import triton_sampler  # noqa: E402
+from relaycli.kernels import triton_sampler  # noqa: E402
 from relaycli.engine.sampler import Sampler, draw_seed, keep_threshold  # noqa: E402
 from relaycli.engine.sequence import SamplingOptions  # noqa: E402
 

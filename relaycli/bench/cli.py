@@ -76,7 +76,7 @@ def _refusals(threads: Optional[int] = None):
 
 
 def _is_cuda(device: Optional[str]) -> bool:
-    from models.registry import resolve_device
+    from relaycli.models.registry import resolve_device
     return resolve_device(device).type == "cuda"
 
 

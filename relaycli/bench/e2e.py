@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from models.registry import LoadedModel, load_model
+from relaycli.models.registry import LoadedModel, load_model
 from relaycli.bench.hf_peer import free_memory, hf_row, sync
 from relaycli.bench.report import add_speedups, compare_tokens, e2e_line, machine_info, ttft_stats
 from relaycli.bench.roofline import ModelShape, decode_context_sum, measure_ceilings, price_decode
@@ -190,7 +190,7 @@ def triton_variants() -> int | None:
         return None
     total = 0
     for name, module in list(sys.modules.items()):
-        if not name.startswith("kernels.triton_") or module is None:
+        if not name.startswith("relaycli.kernels.triton_") or module is None:
             continue
         for fn in vars(module).values():
             if isinstance(fn, JITFunction):

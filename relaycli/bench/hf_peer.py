@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from models.registry import LoadedModel
+from relaycli.models.registry import LoadedModel
 from relaycli.bench.report import ttft_stats
 from relaycli.bench.roofline import ModelShape, decode_context_sum
 from relaycli.bench.workloads import RequestShape

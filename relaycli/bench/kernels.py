@@ -23,12 +23,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.backend import triton_available
-from kernels.metadata import AttentionMetadata, PrefixGroup
-from kernels.triton_plan import default_block_size
-from models.dummy import dummy_config
-from models.registry import resolve_device, resolve_dtype
+from relaycli.kernels import reference
+from relaycli.kernels.backend import triton_available
+from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.kernels.triton_plan import default_block_size
+from relaycli.models.dummy import dummy_config
+from relaycli.models.registry import resolve_device, resolve_dtype
 from relaycli.bench.report import machine_info
 from relaycli.bench.roofline import attention_floor, measure_ceilings
 from relaycli.bench.timing import FLUSHES, cuda_median_us
@@ -144,7 +144,7 @@ def run_kernels(opts: KernelOptions, progress: Callable[[str], None] | None = No
     cfg = dummy_config(opts.model.split(":", 1)[1])
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     use_triton = triton_available(dev)
-    ops = __import__("kernels.triton_ops", fromlist=["x"]) if use_triton else reference
+    ops = __import__("relaycli.kernels.triton_ops", fromlist=["x"]) if use_triton else reference
     if dev.type == "cuda":
         def time_fn(fn, _repeats):  # a median over about 100 ms of replays, whatever repeats says
             return _time_cuda(fn, opts.l2_flush)

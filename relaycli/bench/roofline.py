@@ -43,7 +43,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, dtype_bytes: int) -> "ModelShape":
-        """From a models.config.ModelConfig (or anything with its field names)."""
+        """From a relaycli.models.config.ModelConfig (or anything with its field names)."""
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                    cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, dtype_bytes)
 

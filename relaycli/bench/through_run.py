@@ -34,7 +34,7 @@ from typing import Callable
 
 import pyarrow.parquet as pq
 
-from models.registry import load_model
+from relaycli.models.registry import load_model
 from relaycli.artifact import dtype_name
 from relaycli.bench.e2e import E2EOptions, median_run, run_engine
 from relaycli.bench.hf_peer import free_memory

@@ -33,8 +33,8 @@ import time
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata, PrefixGroup, PrefixTable, prefix_table_rows
-from kernels.triton_plan import fused_program_rows
+from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup, PrefixTable, prefix_table_rows
+from relaycli.kernels.triton_plan import fused_program_rows
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import stage
 
@@ -82,7 +82,7 @@ class DecodeGraphs:
         self.host_tables = np.empty((self.max_bs, max_blocks), dtype=np.int32)  # staging for block_tables
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
-        # the PrefixTable of MIXED steps (kernels.metadata): each row's group, each group's range
+        # the PrefixTable of MIXED steps (relaycli.kernels.metadata): each row's group, each group's range
         self.prefix_lens = [p.num_tokens for p in self.prefixes]
         self.table_groups = max(1, min(len(self.prefixes), MAX_TABLE_GROUPS))
         self.row_group = torch.full((self.max_bs,), self.table_groups, dtype=torch.int32, device=dev)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from models.registry import LoadedModel
+from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
 from relaycli.engine.feed import Feed, Prefetch, feed_of

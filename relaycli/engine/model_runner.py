@@ -10,10 +10,10 @@ import time
 import numpy as np
 import torch
 
-from kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
-from kernels.metadata import AttentionMetadata, PrefixGroup
-from kernels.triton_plan import default_block_size
-from models.registry import LoadedModel
+from relaycli.kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
+from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.kernels.triton_plan import default_block_size
+from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence

@@ -118,7 +118,7 @@ class Sampler:
         if all(opt.is_greedy for opt in options):
             return logits.argmax(dim=-1)  # the same index in any float dtype
         if self.kernel == "triton":
-            from kernels import triton_sampler
+            from relaycli.kernels import triton_sampler
             vocab = logits.shape[-1]
             params = triton_sampler.pack_params(
                 [draw_seed(o.seed, d) for o, d in zip(options, draws)], [min(o.top_k or vocab, vocab) for o in options],
