@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(RelayError):
     """A config that this code cannot honour; the message says what."""
 
 

@@ -8,6 +8,7 @@ Only `from_gguf` uses transformers, once, to convert a GGUF file's tokenizer met
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import hashlib
 import json
 from collections import namedtuple
@@ -27,7 +28,7 @@ NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(RelayError):
     pass
 
 

@@ -10,6 +10,7 @@ nothing is copied, and the pages are read when a forward first touches them.
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import json
 import mmap
 import struct
@@ -28,7 +29,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 _BY_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
-class WeightError(ValueError):
+class WeightError(RelayError):
     """Missing, unexpected or mis-shaped weight tensors."""
 
 

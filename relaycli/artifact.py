@@ -13,6 +13,7 @@ caught as surely as a flipped KV byte.
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import hashlib
 import json
 import mmap
@@ -35,7 +36,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
-class ArtifactError(ValueError):
+class ArtifactError(RelayError):
     """A missing, corrupt or mismatched artifact; the message is one sentence with the fix."""
 
 

@@ -37,18 +37,12 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 
 @contextmanager
 def _user_errors():
-    """Known refusals become one red line and exit status 2, not a traceback."""
-    from relaycli.models.config import ModelConfigError
-    from relaycli.models.tokenizer import TokenizerError
-    from relaycli.models.weights import WeightError
-    from relaycli.artifact import ArtifactError
-    from relaycli.compile import CompileError
-    from relaycli.io.reader import InputError
-    from relaycli.io.writer import OutputError
+    """Refusals (relaycli.errors.RelayError) become one red line and exit status 2; any
+    other exception is a defect and keeps its traceback."""
+    from relaycli.errors import RelayError
     try:
         yield
-    except (ModelConfigError, TokenizerError, WeightError, ArtifactError, CompileError, InputError,
-            OutputError, ValueError) as exc:
+    except RelayError as exc:
         err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
 

@@ -3,6 +3,7 @@ and the checks that an artifact fits the model of a run."""
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ _PROBE_MESSAGES = ("Hi", "What is 2 + 2?", "¿Dónde está la biblioteca?\n\nGra
                    "\n\nx", " x", "\tx", "\r\nx", "  \n")
 
 
-class CompileError(ValueError):
+class CompileError(RelayError):
     pass
 
 

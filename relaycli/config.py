@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from relaycli.errors import ConfigError
+
 
 @dataclass
 class EngineConfig:
@@ -22,20 +24,20 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise ValueError(f"--max-batch must be at least 1, got {self.max_num_seqs}")
+            raise ConfigError(f"--max-batch must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+            raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_gb is not None and not 0 < self.kv_cache_gb < math.inf:
-            raise ValueError(f"--kv-cache-gb must be a positive number of GiB, got {self.kv_cache_gb}")
+            raise ConfigError(f"--kv-cache-gb must be a positive number of GiB, got {self.kv_cache_gb}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
         if self.attention_impl not in ("auto", "torch", "cpu-flash", "triton"):
-            raise ValueError(f"--attention-impl must be auto, torch, cpu-flash or triton, got {self.attention_impl!r}")
+            raise ConfigError(f"--attention-impl must be auto, torch, cpu-flash or triton, got {self.attention_impl!r}")
         if self.min_prefill_seqs is None:
             self.min_prefill_seqs = max(1, self.max_num_seqs // 8)
         if not 1 <= self.min_prefill_seqs <= self.max_num_seqs:
-            raise ValueError(f"min_prefill_seqs must be in [1, {self.max_num_seqs}], got {self.min_prefill_seqs}")
+            raise ConfigError(f"min_prefill_seqs must be in [1, {self.max_num_seqs}], got {self.min_prefill_seqs}")
         if self.max_pending_rows is None:
             self.max_pending_rows = 4 * self.max_num_seqs

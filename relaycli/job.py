@@ -17,6 +17,7 @@ from relaycli.models.registry import LoadedModel, load_model
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
+from relaycli.errors import ConfigError
 from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.parts import write_json
 from relaycli.io.reader import RequestSource, open_requests, read_requests
@@ -45,7 +46,7 @@ class JobOptions:
         seen: dict[str, Path] = {}
         for p in self.prompt_paths:
             if p.name in seen:
-                raise ValueError(f"--prompt {seen[p.name]} and --prompt {p} have the same file name; rows pick "
+                raise ConfigError(f"--prompt {seen[p.name]} and --prompt {p} have the same file name; rows pick "
                                  "artifacts by name: rename one")
             seen[p.name] = p
 

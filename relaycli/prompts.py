@@ -20,6 +20,7 @@ ids, more work, flagged in `PreparedPrompt.full_render`.
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import os
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -51,7 +52,7 @@ class PreparedPrompt:
         return list(self.prefix_ids) + self.own_ids
 
 
-class PromptError(ValueError):
+class PromptError(RelayError):
     """A row that cannot be rendered; the message names the fix."""
 
 

@@ -323,3 +323,29 @@ def test_several_prompts_compile_with_one_load_and_rows_pick_them_by_name(job, t
     out = pq.read_table(tmp_path / "o.parquet").to_pylist()
     assert len(out) == 8 and all(r["finish_reason"] != "error" for r in out)
     assert json.loads(stats.read_text())["stats"]["prefix_hits"] == 8
+
+
+def test_every_refusal_is_one_relay_error_the_cli_prints_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from relaycli.artifact import ArtifactError
+    from relaycli.cli import app
+    from relaycli.compile import CompileError
+    from relaycli.errors import ConfigError, RelayError
+    from relaycli.io.reader import InputError
+    from relaycli.io.writer import OutputError
+    from relaycli.models.config import ModelConfigError
+    from relaycli.models.tokenizer import TokenizerError
+    from relaycli.models.weights import WeightError
+    from relaycli.prompts import PromptError
+    for cls in (ArtifactError, CompileError, ConfigError, InputError, OutputError, ModelConfigError, TokenizerError,
+                WeightError, PromptError):
+        assert issubclass(cls, RelayError), cls
+    (tmp_path / "r.jsonl").write_text('{"prompt": "hi"}\n')
+    for option, value, says in (("--max-batch", "0", "--max-batch must be at least 1"),
+                                ("--temperature", "-1", "--temperature must be a number >= 0"),
+                                ("--max-tokens", "0", "--max-tokens must be an integer >= 1")):
+        result = CliRunner().invoke(app, ["run", "--in", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                                          option, value])
+        assert result.exit_code == 2 and says in result.output, result.output
+        assert result.output.count("\n") <= 2 and "Traceback" not in result.output

@@ -15,6 +15,7 @@ from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
 from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
+from relaycli.errors import ConfigError
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import to_device
@@ -66,7 +67,7 @@ class ModelRunner:
         self.dtype = loaded.model.dtype
         self.block_size = config.block_size or default_block_size(self.device)
         if config.attention_impl == "triton" and not triton_runs_on(self.device):
-            raise ValueError(f"--attention-impl triton needs a CUDA GPU with Triton, and this run is on "
+            raise ConfigError(f"--attention-impl triton needs a CUDA GPU with Triton, and this run is on "
                              f"{self.device}; use auto, torch or cpu-flash")
         self.num_blocks = self._num_blocks(config)
         # One more block than the block manager hands out: a scratch block that padded
@@ -79,7 +80,7 @@ class ModelRunner:
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
             self.k_caches = self.v_caches = []
             gib = (self.num_blocks + 1) * self.bytes_per_block() / 1024**3
-            raise ValueError(f"the KV cache ({gib:.1f} GiB) does not fit in {self.device}'s memory "
+            raise ConfigError(f"the KV cache ({gib:.1f} GiB) does not fit in {self.device}'s memory "
                              f"({type(exc).__name__}); lower --kv-cache-gb or leave it out") from None
         impl = config.attention_impl
         if impl == "auto":
@@ -121,7 +122,7 @@ class ModelRunner:
             budget = config.kv_cache_gb * 1024**3
             free = self._free_bytes()
             if budget > free:  # on the CPU an allocation this large may succeed, then be killed when touched
-                raise ValueError(f"--kv-cache-gb {config.kv_cache_gb:g} is more than the {free / 1024**3:.1f} GiB "
+                raise ConfigError(f"--kv-cache-gb {config.kv_cache_gb:g} is more than the {free / 1024**3:.1f} GiB "
                                  f"free on {self.device}; lower it or leave it out")
         elif self.device.type == "cuda":
             free = self._free_bytes()

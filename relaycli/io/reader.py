@@ -7,6 +7,7 @@ row (the job goes on); only a file that cannot be opened at all raises InputErro
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import hashlib
 import json
 from abc import ABC, abstractmethod
@@ -27,7 +28,7 @@ _BOM = b"\xef\xbb\xbf"
 RawRow = tuple[int, "dict | None", "str | None"]
 
 
-class InputError(Exception):
+class InputError(RelayError):
     """The input cannot be read at all; the message is one sentence for the user."""
 
 

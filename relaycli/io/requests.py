@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaycli.errors import ConfigError
+
 FINISH_REASONS = ("stop", "length", "error")
 ROLES = ("system", "user", "assistant")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -105,10 +107,14 @@ class RequestDefaults:
     def __post_init__(self) -> None:
         if not _is_int(self.seed_base) or not 0 <= self.seed_base < SEED_LIMIT:
             # as a row's own seed: a wider range would fold onto it (-1 and 2**64-1 gave one job)
-            raise ValueError(f"--seed must be an integer from 0 to 2**63-1, got {_show(self.seed_base)}")
+            raise ConfigError(f"--seed must be an integer from 0 to 2**63-1, got {_show(self.seed_base)}")
         # One rule set: the defaults must themselves be valid sampling values.
-        SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, ignore_eos=self.ignore_eos)
+        try:
+            SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                           top_k=self.top_k, ignore_eos=self.ignore_eos)
+        except ValueError as e:  # its message starts with the field, which is an option here
+            name, _, rest = str(e).partition(" ")
+            raise ConfigError(f"--{name.replace('_', '-')} {rest}") from None
 
 
 def check_messages(messages: Any) -> None:

@@ -15,6 +15,7 @@ of two different jobs.
 
 from __future__ import annotations
 
+from relaycli.errors import RelayError
 import fcntl
 import hashlib
 import json
@@ -38,7 +39,7 @@ JOB_FILE = "job.json"  # the job record, in the parts folder
 JOB_META_KEY = b"relay.job"  # the job record, in a finished Parquet OUT's key-value metadata
 
 
-class OutputError(Exception):
+class OutputError(RelayError):
     """The output cannot be written or finished; the message is one sentence for the user."""
 
 
@@ -160,7 +161,7 @@ class ResultWriter:
         self.fmt = output_format(self.out_path, fmt)
         self.openai_output = openai_output and self.fmt == "jsonl"  # OpenAI lines exist only as JSONL
         if not isinstance(flush_rows, int) or flush_rows < 1:
-            raise ValueError(f"--flush-rows must be an integer >= 1, got {flush_rows!r}")
+            raise OutputError(f"--flush-rows must be an integer >= 1, got {flush_rows!r}")
         if not flush_seconds > 0:
             raise ValueError(f"flush_seconds must be a number > 0, got {flush_seconds!r}")
         self.flush_rows, self.flush_seconds, self.model_name = flush_rows, flush_seconds, model_name
