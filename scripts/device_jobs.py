@@ -11,8 +11,7 @@ CUDA machine: the numbers docs/benchmarks.md quotes for the product path.
   cold      the examples job with an empty Triton cache, relay and --no-relay (the first
             run on a machine: what it compiles)
 
-Each run writes its stats JSON; the summary of every run goes to $OUT/jobs.json.
-Usage: python scripts/device_jobs.py [examples] [mixed] [cold]
+Usage: python scripts/device_jobs.py [examples] [mixed] [cold]; results in $OUT/jobs.json.
 """
 
 from __future__ import annotations
