@@ -191,7 +191,7 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
         return [SimpleNamespace(prefix_slot=0, num_own_tokens=n) for n in lens]
     short, full = graphs.key(seqs([32] * 256)), graphs.key(seqs([200] * 256))
     # one bucket, two plans: the warp-specialised tile where the system step is the longer
-    # (sixteenth session's device run: 81.5 against 111.6 us at 32 own keys a row)
+    # (measured faster on the H200 at 32 own keys a row: docs/kernels.md)
     assert short[:3] == full[:3] == (256, 256, 0)
     assert short[3] == (2, "ws") and full[3] == (1, "tile")
     keys = graphs.all_keys(256, 256, [0])

@@ -70,9 +70,9 @@ def test_fused_relay_ring_depths_and_register_splits():
     q, kc, vc, pre, meta = _step(32, 8, 128, lens, 2048, torch.bfloat16)
     for kw in (dict(stages=2), dict(stages=4), dict(ctx_tiles=6), FUSED_WIDE_TILE):
         _check(q, kc, vc, pre, meta, 4, **kw)
-    # results only, where registers spill: shallower own-key rings (a 2-tile ring spilled 2
-    # registers on the H200, twenty-fourth session; the wide tile's 132 bytes by ptxas -v), and
-    # another register split (at 120 the own-key warpgroup spills a register)
+    # results only, where registers spill: shallower own-key rings (a 2-tile ring spills
+    # registers on the H200, and the wide tile with it, by ptxas -v), and another register
+    # split (at 120 the own-key warpgroup spills a register)
     for kw in (dict(ctx_tiles=2), dict(ctx_tiles=3), dict(FUSED_WIDE_TILE, ctx_tiles=2),
                dict(sys_regs=184, ctx_regs=120)):
         _check(q, kc, vc, pre, meta, 4, spill_free=False, **kw)

@@ -132,7 +132,7 @@ def prefill_floor(shape: ModelShape, system_tokens: int, input_lens, ceil: Ceili
                     ceil)
 
 
-LARGE_BATCH = 64  # issue 6 holds decode steps of this batch and more to their floor
+LARGE_BATCH = 64  # decode steps of this batch and more are held to their floor (docs/benchmarks.md)
 
 
 def price_decode(row: dict, shape: ModelShape, system_tokens: int, ceil: Ceilings,
