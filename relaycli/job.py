@@ -22,6 +22,7 @@ from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.parts import write_json
 from relaycli.io.reader import RequestSource, open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
+from relaycli.io.write_behind import WriteBehind
 from relaycli.io.writer import OutputError, ResultWriter, check_writable, same_file
 
 
@@ -116,7 +117,26 @@ def _job_record(opts: JobOptions, source: RequestSource, loaded: LoadedModel, ar
 def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None,
             on_result: Callable[[EngineStats], None] | None = None,
             loaded: LoadedModel | None = None) -> JobSummary:
-    """on_start(total_rows, already_done); on_result(stats) after each answered row."""
+    """Check the inputs, bind (or resume) the output, answer the rows, finish the output.
+    on_start(total_rows, already_done); on_result(stats) after each answered row."""
+    source, writer = _check_inputs(opts)
+    try:
+        engine, summary, done = _bind_output(opts, source, writer, loaded)
+        if not summary.already_complete:
+            if on_start is not None:
+                on_start(source.num_rows, len(done))
+            _answer(opts, source, writer, engine, summary, done, on_result)
+        writer.finalize(source.num_rows)  # for a complete output: parts a crash left after its rename go
+        summary.error_rows = writer.error_rows
+    finally:
+        writer.close()
+    if opts.stats_json is not None:
+        write_json(opts.stats_json, summary.as_dict())
+    return summary
+
+
+def _check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
+    """Everything that can refuse the job from its paths alone, before any model loads."""
     _check_paths(opts)
     if opts.stats_json is not None:
         check_writable(Path(opts.stats_json), "--stats-json")
@@ -124,51 +144,55 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
     writer = ResultWriter(opts.output_path, opts.output_format, resume=opts.resume,
                           openai_output=_is_openai_input(source), flush_rows=opts.flush_rows,
                           model_name=opts.model or "default")
+    return source, writer
+
+
+def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
+                 loaded: LoadedModel | None) -> tuple[Engine, JobSummary, set[int]]:
+    """Load the model and the artifacts, make the engine, and bind the output to this job's
+    record (a resumed output must belong to the same job)."""
+    done = writer.done_row_indices()
+    if loaded is None:
+        loaded = load_model(opts.model, opts.dtype, opts.device)
+    artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]
+    engine = Engine(loaded, artifacts, opts.engine)
+    run_dtype = dtype_name(loaded.model.dtype)
+    summary = JobSummary(
+        input_rows=source.num_rows, skipped_rows=len(done), stats=engine.stats, model=loaded.reference,
+        attention=("relay" if opts.engine.relay else "no-relay") + f" ({engine.runner.attention_impl})",
+        device=str(loaded.model.device), dtype=run_dtype,
+        artifacts=[{"name": a.name, "tokens": a.num_tokens, "cast_from": a.meta["dtype"]
+                    if a.meta["dtype"] != run_dtype else None}
+                   for a in artifacts],
+        load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
+    # The input's ids are read only to check a finished output row by row.
+    ids = (row.id for row in read_requests(source, opts.defaults)) if writer.already_complete else iter(())
+    writer.bind_job(_job_record(opts, source, loaded, artifacts, run_dtype), source.num_rows, ids)
+    if writer.already_complete:
+        summary.already_complete, summary.skipped_rows = True, source.num_rows
+    return engine, summary, done
+
+
+def _answer(opts: JobOptions, source: RequestSource, writer: ResultWriter, engine: Engine, summary: JobSummary,
+            done: set[int], on_result: Callable[[EngineStats], None] | None) -> None:
+    """The rows not yet answered (done: those an earlier run answered), through the engine;
+    their answers are written behind it."""
+    rows = read_requests(source, opts.defaults, skip=done)
+    compiles = CompileLog().install()
+    behind = WriteBehind(writer.write)
     try:
-        done = writer.done_row_indices()
-        if loaded is None:
-            loaded = load_model(opts.model, opts.dtype, opts.device)
-        artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]
-        engine = Engine(loaded, artifacts, opts.engine)
-        run_dtype = dtype_name(loaded.model.dtype)
-        summary = JobSummary(
-            input_rows=source.num_rows, skipped_rows=len(done), stats=engine.stats, model=loaded.reference,
-            attention=("relay" if opts.engine.relay else "no-relay") + f" ({engine.runner.attention_impl})",
-            device=str(loaded.model.device), dtype=run_dtype,
-            artifacts=[{"name": a.name, "tokens": a.num_tokens, "cast_from": a.meta["dtype"]
-                        if a.meta["dtype"] != run_dtype else None}
-                       for a in artifacts],
-            load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
-        # The input's ids are read only to check a finished output row by row.
-        ids = (row.id for row in read_requests(source, opts.defaults)) if writer.already_complete else iter(())
-        writer.bind_job(_job_record(opts, source, loaded, artifacts, run_dtype), source.num_rows, ids)
-        if writer.already_complete:
-            summary.already_complete, summary.skipped_rows = True, source.num_rows
-            writer.finalize(source.num_rows)  # parts a crash left after OUT's rename go too
-        else:
-            if on_start is not None:
-                on_start(source.num_rows, len(done))
-            rows = read_requests(source, opts.defaults, skip=done)
-            compiles = CompileLog().install()
-            try:
-                with frozen_heap():
-                    engine.stats.started = time.perf_counter()  # after the entry's one collection
-                    for result in engine.generate(rows):
-                        writer.write(result)
-                        if on_result is not None:
-                            on_result(engine.stats)
-            finally:
-                compiles.uninstall()
-                summary.triton_kernels_compiled = compiles.compiled
-                summary.triton_compile_seconds = compiles.compile_seconds
-                summary.triton_kernels_loaded = compiles.loaded
-                graphs = engine.runner.graphs
-                if graphs is not None:
-                    summary.graph_captures, summary.graph_capture_seconds = graphs.num_captures, graphs.capture_seconds
-            writer.finalize(source.num_rows)
-        summary.error_rows = writer.error_rows
+        with frozen_heap():
+            engine.stats.started = time.perf_counter()  # after the entry's one collection
+            for result in engine.generate(rows):
+                behind.put(result)
+                if on_result is not None:
+                    on_result(engine.stats)
     finally:
-        writer.close()
-    if opts.stats_json is not None:
-        write_json(opts.stats_json, summary.as_dict())
-    return summary
+        behind.close()
+        compiles.uninstall()
+        summary.triton_kernels_compiled = compiles.compiled
+        summary.triton_compile_seconds = compiles.compile_seconds
+        summary.triton_kernels_loaded = compiles.loaded
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            summary.graph_captures, summary.graph_capture_seconds = graphs.num_captures, graphs.capture_seconds

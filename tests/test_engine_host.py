@@ -120,3 +120,28 @@ def test_compile_log_counts_compiles_and_cache_loads_and_chains_the_listener_bef
         assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
     finally:
         knobs.compilation.listener = before
+
+
+def test_write_behind_writes_in_order_on_its_thread_and_raises_a_failed_write_on_the_callers():
+    from relaycli.io.write_behind import WriteBehind
+    written, threads = [], set()
+
+    def write(x):
+        threads.add(threading.current_thread().name)
+        if x == "boom":
+            raise OSError("No space left on device")
+        written.append(x)
+
+    behind = WriteBehind(write, depth=4)
+    for i in range(50):
+        behind.put(i)
+    behind.close()
+    assert written == list(range(50)) and threads == {"relay-write"}
+    behind = WriteBehind(write)
+    behind.put("boom")
+    with pytest.raises(OSError, match="No space"):
+        for i in range(1000):
+            behind.put(i)
+            time.sleep(0.001)
+    behind.close()  # the failure was raised once; what follows it is not written
+    assert written == list(range(50))
