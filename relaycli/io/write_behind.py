@@ -21,7 +21,8 @@ class WriteBehind:
         """write: the writer's write(result), called on this object's thread in put order."""
         self._write = write
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # a failed write, still to be raised
+        self._failed = False  # once a write fails, nothing more is written
         self._thread = threading.Thread(target=self._run, name="relay-write", daemon=True)
         self._thread.start()
 
@@ -30,11 +31,11 @@ class WriteBehind:
             item = self._queue.get()
             if item is _DONE:
                 return
-            if self._error is None:
+            if not self._failed:
                 try:
                     self._write(item)
                 except BaseException as exc:  # noqa: BLE001 - raised on the engine's thread
-                    self._error = exc
+                    self._error, self._failed = exc, True
 
     def put(self, result) -> None:
         self._raise()
