@@ -5,7 +5,7 @@ this Triton has one), chained after any listener already installed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -13,6 +13,7 @@ class CompileLog:
     compiled: int = 0  # variants compiled in this process (not in the on-disk cache)
     compile_seconds: float = 0.0
     loaded: int = 0  # variants found in the on-disk cache
+    compiled_names: dict[str, int] = field(default_factory=dict)  # kernel name -> variants compiled
     _previous: object = None
     _installed: bool = False
 
@@ -31,6 +32,8 @@ class CompileLog:
             else:
                 self.compiled += 1
                 self.compile_seconds += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+                name = _kernel_name(src, metadata)
+                self.compiled_names[name] = self.compiled_names.get(name, 0) + 1
             if self._previous is not None:
                 self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                                cache_hit=cache_hit, **extra)
@@ -47,4 +50,13 @@ class CompileLog:
 
     def as_dict(self) -> dict:
         return {"triton_kernels_compiled": self.compiled, "triton_compile_seconds": self.compile_seconds,
-                "triton_kernels_loaded": self.loaded}
+                "triton_kernels_loaded": self.loaded, "triton_compiled_names": dict(self.compiled_names)}
+
+
+def _kernel_name(src, metadata) -> str:
+    """The compiled kernel's function name, from what this Triton's listener hands over."""
+    try:
+        return str(metadata["name"])
+    except (KeyError, TypeError, IndexError):
+        fn = getattr(src, "fn", None)
+        return getattr(fn, "__name__", None) or getattr(src, "name", None) or "?"
