@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import sys
@@ -35,16 +36,32 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
     """relay: compile a system prompt once, then stream request files through it."""
 
 
+# A disk that cannot take a write is the machine's state, not a defect of relay.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 @contextmanager
 def _user_errors():
-    """Refusals (relaycli.errors.RelayError) become one red line and exit status 2; any
-    other exception is a defect and keeps its traceback."""
+    """Refusals (relaycli.errors.RelayError) become one red line and exit status 2, and so
+    does a write the disk refuses wherever it happens (full, over the file-size limit,
+    read-only); any other exception is a defect and keeps its traceback."""
     from relaycli.errors import RelayError
     try:
         yield
     except RelayError as exc:
-        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        _error_line(str(exc))
         raise typer.Exit(2)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        where = f"cannot write {exc.filename}" if exc.filename else "a write failed"
+        _error_line(f"{where} ({exc.strerror}); free space or write elsewhere, then run the command again "
+                    "(relay run: with --resume)")
+        raise typer.Exit(2)
+
+
+def _error_line(message: str) -> None:
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 class _Stopped(BaseException):

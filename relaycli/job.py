@@ -22,7 +22,9 @@ from relaycli.engine.engine import Engine, EngineStats, frozen_heap
 from relaycli.io.parts import write_json
 from relaycli.io.reader import RequestSource, open_requests, read_requests
 from relaycli.io.requests import RequestDefaults
+from relaycli.io.rowset import RowSet
 from relaycli.io.write_behind import WriteBehind
+from relaycli.io.failures import writing
 from relaycli.io.writer import OutputError, ResultWriter, check_writable, same_file
 
 
@@ -71,6 +73,7 @@ class JobSummary:
     triton_kernels_compiled: int = 0
     triton_compile_seconds: float = 0.0
     triton_kernels_loaded: int = 0
+    triton_compiled_names: dict = field(default_factory=dict)  # kernel name -> variants compiled
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0
 
@@ -131,7 +134,8 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
     finally:
         writer.close()
     if opts.stats_json is not None:
-        write_json(opts.stats_json, summary.as_dict())
+        with writing(Path(opts.stats_json)):
+            write_json(opts.stats_json, summary.as_dict())
     return summary
 
 
@@ -148,7 +152,7 @@ def _check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
 
 
 def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
-                 loaded: LoadedModel | None) -> tuple[Engine, JobSummary, set[int]]:
+                 loaded: LoadedModel | None) -> tuple[Engine, JobSummary, RowSet]:
     """Load the model and the artifacts, make the engine, and bind the output to this job's
     record (a resumed output must belong to the same job)."""
     done = writer.done_row_indices()
@@ -174,7 +178,7 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
 
 
 def _answer(opts: JobOptions, source: RequestSource, writer: ResultWriter, engine: Engine, summary: JobSummary,
-            done: set[int], on_result: Callable[[EngineStats], None] | None) -> None:
+            done: RowSet, on_result: Callable[[EngineStats], None] | None) -> None:
     """The rows not yet answered (done: those an earlier run answered), through the engine;
     their answers are written behind it."""
     rows = read_requests(source, opts.defaults, skip=done)
@@ -188,11 +192,19 @@ def _answer(opts: JobOptions, source: RequestSource, writer: ResultWriter, engin
                 if on_result is not None:
                     on_result(engine.stats)
     finally:
-        behind.close()
-        compiles.uninstall()
-        summary.triton_kernels_compiled = compiles.compiled
-        summary.triton_compile_seconds = compiles.compile_seconds
-        summary.triton_kernels_loaded = compiles.loaded
-        graphs = engine.runner.graphs
-        if graphs is not None:
-            summary.graph_captures, summary.graph_capture_seconds = graphs.num_captures, graphs.capture_seconds
+        try:
+            behind.close()  # the answers queued are written; a failed write is raised here
+        finally:
+            _count_startup(summary, engine, compiles)
+
+
+def _count_startup(summary: JobSummary, engine: Engine, compiles: CompileLog) -> None:
+    """What the job paid to start: Triton kernels compiled or loaded, CUDA graphs captured."""
+    compiles.uninstall()
+    summary.triton_kernels_compiled = compiles.compiled
+    summary.triton_compile_seconds = compiles.compile_seconds
+    summary.triton_kernels_loaded = compiles.loaded
+    summary.triton_compiled_names = dict(compiles.compiled_names)
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        summary.graph_captures, summary.graph_capture_seconds = graphs.num_captures, graphs.capture_seconds

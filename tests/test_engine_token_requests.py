@@ -41,7 +41,7 @@ def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
     owns = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(12)]
 
     def run(config, max_tokens, ignore_eos, eos=None):
-        engine = Engine(lm, [prefix], config, record_token_ids=True)
+        engine = Engine(lm, [prefix], config, record_token_ids=True, keep_step_logs=True)
         if eos is not None:
             engine.eos_ids = frozenset(eos)
         reqs = [TokenRequest(i, str(i), own, SamplingOptions(max_tokens=m, ignore_eos=ignore_eos), prefix_slot=0)
@@ -76,7 +76,7 @@ def test_steps_read_back_a_step_late_end_exactly_where_eos_and_max_tokens_say():
         assert out[i].completion_tokens == len(want)
     assert sorted(out) == list(range(len(owns)))
     st = engine.stats
-    assert len(st.ttft_seconds) == len(owns)  # one first token per row, recomputed ones not again
+    assert len(st.ttft_seconds) == st.ttft.count == len(owns)  # one first token per row, recomputed ones not again
     assert st.decode_steps == len(st.decode_step_log) and st.prefill_steps == len(st.prefill_step_log)
     assert st.prefill_tokens >= sum(map(len, owns)) and engine._pending is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -98,7 +98,7 @@ def test_decode_step_log_counts_each_steps_batch_and_own_context():
     reqs = [TokenRequest(i, str(i), [rng.randrange(vocab) for _ in range(n_in)],
                          SamplingOptions(max_tokens=n_out, ignore_eos=True), prefix_slot=0)
             for i, (n_in, n_out) in enumerate(shapes)]
-    engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=rng.randint(2, 5)))
+    engine = Engine(lm, [prefix], EngineConfig(max_num_seqs=rng.randint(2, 5)), keep_step_logs=True)
     assert len(list(engine.generate_tokens(reqs))) == len(shapes)
     log = engine.stats.decode_step_log
     assert len(log) == engine.stats.decode_steps and all(b >= 1 and s >= 0 for b, _, s in log)
@@ -167,7 +167,7 @@ def test_timed_steps_are_charged_from_the_end_of_the_step_before_not_with_the_ne
     charged from the previous step's end to their own, so the times still add up to the
     job's. A call's first step (no earlier step of that call) keeps its host time."""
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
-    engine = Engine(lm, [], EngineConfig(max_num_seqs=2))
+    engine = Engine(lm, [], EngineConfig(max_num_seqs=2), keep_step_logs=True)
     engine._last_read = _TimedStep(False, -5.0)  # left by an earlier call: no start for this one
     assert list(engine.generate_tokens(iter([]))) == []
     reads = [(_TimedStep(False, 0.011), 0.012), (_TimedStep(False, 0.022), 0.036),

@@ -4,6 +4,7 @@
     relay bench kernels [...]   decode attention: relay vs --no-relay vs per-request SDPA
     relay bench e2e [...]       whole engine: relay vs --no-relay vs transformers generate
     relay bench e2e --through-run   the same rows through `relay run`, beside the engine alone
+    relay bench volume [...]    rows/s and peak memory of `relay run` as the row count grows
 
 Options left out take defaults that depend on the device (small on CPU).
 """
@@ -276,6 +277,26 @@ def kernels_cmd(
         _save([report], json_path, plot_path, quiet)
 
 
+@bench_app.command("volume")
+def volume_cmd(
+    rows: str = typer.Option("10000,100000", "--rows", help="Row counts, comma-separated; each is one relay run."),
+    max_batch: int = typer.Option(256, "--max-batch", help="Sequences in flight."),
+    model: str = typer.Option("dummy:tiny", "--model", help="The model of the runs."),
+    threads: int = typer.Option(1, "--threads", help="torch threads of each relay run (OMP_NUM_THREADS)."),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the prompt and stats in this new folder."),
+    json_path: Optional[Path] = _JSON,
+    quiet: bool = _QUIET,
+) -> None:
+    """Rows/s and peak memory of `relay run` over N tiny rows: memory must not grow with N."""
+    from relaycli.bench.volume import VolumeOptions, run_volume, volume_table
+    with _refusals():
+        _check_outputs(json_path, None)
+        opts = VolumeOptions(rows=_ints(rows, "--rows"), max_batch=max_batch, model=model, threads=threads)
+        report = run_volume(opts, keep, _progress(quiet))
+        _out().print(volume_table(report))
+        _save([report], json_path, None, quiet)
+
+
 @bench_app.command("show")
 def show_cmd(
     paths: list[Path] = typer.Argument(..., help="JSON files written by relay bench --json."),
@@ -296,7 +317,7 @@ def show_cmd(
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
             found = data.get("reports", [data]) if isinstance(data, dict) else []
-            kinds = ("e2e", "kernels", "e2e-through-run")
+            kinds = ("e2e", "kernels", "e2e-through-run", "volume")
             if not found or any(not isinstance(r, dict) or r.get("kind") not in kinds for r in found):
                 raise ValueError(f"{path}: not a file written by relay bench --json")
             reports += found
@@ -308,6 +329,9 @@ def show_cmd(
                 _print_e2e(rep)
             elif rep["kind"] == "e2e-through-run":
                 _print_through_run(rep)
+            elif rep["kind"] == "volume":
+                from relaycli.bench.volume import volume_table
+                _out().print(volume_table(rep))
             else:
                 _out().print(kernels_table(rep))
         _save(reports, json_path, plot_path, False)

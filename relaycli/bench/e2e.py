@@ -97,7 +97,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     engine = Engine(lm, [prefix] if prefix else [],
                     EngineConfig(max_num_seqs=max_batch, relay=relay, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs,
                                  overlap_steps=overlap_steps),
-                    record_token_ids=True)
+                    record_token_ids=True, keep_step_logs=True)
     started = time.perf_counter()
     warm = requests(128 if dev.type == "cuda" else 4, min(len(shapes), max_batch))
     sum(1 for _ in engine.generate_tokens(warm))
@@ -107,7 +107,7 @@ def run_engine(lm: LoadedModel, prefix: TokenPrefix | None, shapes: list[Request
     if graphs is not None:
         graphs.capture_all(max_batch, max(r.input_len + r.output_len for r in shapes), [slot])
     warmup_s = time.perf_counter() - started
-    engine.stats = EngineStats(graphs_available=graphs is not None)
+    engine.stats = EngineStats(graphs_available=graphs is not None, keep_logs=True)  # every step, for the roofline
     captures_before = (graphs.num_captures, graphs.capture_seconds) if graphs else (0, 0.0)
     variants_before = triton_variants()
     reqs = requests()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from relaycli.engine.engine import quantile
+from relaycli.engine.stats import quantile
 
 
 def _fmt(value, spec: str) -> str:

@@ -2,11 +2,15 @@
 
 A shared system prefix is never stored here: it is loaded once and read by every
 sequence that uses it, so blocks only ever hold a request's own tokens.
+
+Free blocks are a stack: a sequence gets the blocks freed last. A job then touches only
+as many blocks as it ever holds at once, so on the CPU, where the cache's pages are
+mapped when first written, the process's memory stays flat however many rows pass
+through a large cache (a queue would walk every block of it). Steps run in order on one
+stream, so a block freed while a launched step still writes it is reused only after.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 from relaycli.engine.sequence import Sequence
 
@@ -17,7 +21,7 @@ class BlockManager:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,7 +39,7 @@ class BlockManager:
         need = self.blocks_for(seq.num_own_tokens)
         if need > self.num_free_blocks:
             raise RuntimeError("allocate called without can_allocate")
-        seq.block_table = [self.free_blocks.popleft() for _ in range(need)]
+        seq.block_table = [self.free_blocks.pop() for _ in range(need)]
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more own token (a decode step)."""
@@ -43,9 +47,9 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> None:
         if seq.num_own_tokens > len(seq.block_table) * self.block_size:
-            seq.block_table.append(self.free_blocks.popleft())
+            seq.block_table.append(self.free_blocks.pop())
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks.extend(seq.block_table)
+        self.free_blocks.extend(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_own = 0

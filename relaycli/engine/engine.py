@@ -10,7 +10,7 @@ import gc
 import itertools
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from relaycli.models.registry import LoadedModel
@@ -20,6 +20,7 @@ from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
+from relaycli.engine.stats import EngineStats
 from relaycli.engine.stops import StopWatch, first_stop
 from relaycli.io.requests import RequestRow, ResultRow
 from relaycli.prompts import PromptError, PromptMatcher
@@ -38,68 +39,6 @@ class TokenRequest:
     sampling: SamplingOptions
     prefix_slot: int | None = None
     url: str | None = None
-
-
-@dataclass
-class EngineStats:
-    rows: int = 0
-    errors: int = 0
-    prefix_hits: int = 0
-    prefix_misses: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    preemptions: int = 0
-    graphs_available: bool = False  # decode steps can run as CUDA graphs (CUDA, Triton)
-    graphed_decode_steps: int = 0
-    eager_decode_steps: int = 0
-    eager_reasons: dict[str, int] = field(default_factory=dict)  # why decode steps ran eagerly, counted
-    prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
-    device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
-    ttft_seconds: list[float] = field(default_factory=list, repr=False)  # per finished row
-    decode_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, context, s
-    prefill_step_log: list[tuple[int, int, float]] = field(default_factory=list, repr=False)  # seqs, tokens, s
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Own tokens computed by prefill steps (recomputed ones count again)."""
-        return sum(tokens for _, tokens, _ in self.prefill_step_log)
-
-    def decode_step_p50(self) -> float | None:
-        return quantile(sorted(seconds for _, _, seconds in self.decode_step_log), 0.5)
-
-    def generated_tokens_per_second(self) -> float:
-        """Cheap enough to call after every row (as_dict sorts every TTFT)."""
-        elapsed = time.perf_counter() - self.started
-        return self.completion_tokens / elapsed if elapsed > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        lists = ("started", "ttft_seconds", "decode_step_log", "prefill_step_log")
-        d = {k: v for k, v in self.__dict__.items() if k not in lists}
-        d["prefill_tokens"] = self.prefill_tokens
-        ttft = sorted(self.ttft_seconds)
-        d["ttft_mean_seconds"] = sum(ttft) / len(ttft) if ttft else None
-        d["ttft_p50_seconds"] = quantile(ttft, 0.5)
-        d["ttft_p90_seconds"] = quantile(ttft, 0.9)
-        d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
-        d["decode_step_p50_seconds"] = self.decode_step_p50()
-        elapsed = time.perf_counter() - self.started
-        d["elapsed_seconds"] = elapsed
-        d["generated_tokens_per_second"] = self.generated_tokens_per_second()
-        d["rows_per_second"] = self.rows / elapsed if elapsed > 0 else 0.0
-        return d
-
-
-def quantile(ordered: list[float], q: float) -> float | None:
-    """The q-quantile of sorted values (the element at index q * n), None when empty.
-
-    relay run's stats and relay bench's rows both use it, so their medians agree."""
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 @contextmanager
@@ -133,10 +72,12 @@ class _Live:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, artifacts: list = (), config: EngineConfig | None = None,
-                 record_token_ids: bool = False) -> None:
+                 record_token_ids: bool = False, keep_step_logs: bool = False) -> None:
         """artifacts: loaded .relaykv artifacts (name, system_text, token_ids, keys, values).
         record_token_ids: keep each finished row's generated ids in token_ids_by_row
-        (checks and benchmarks; a job does not need them)."""
+        (checks and benchmarks; a job does not need them).
+        keep_step_logs: keep every row's TTFT and every step's batch, context and time in
+        the stats (benchmarks; a job keeps bounded summaries only)."""
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.artifacts = list(artifacts)
@@ -147,7 +88,7 @@ class Engine:
         self.max_context = loaded.config.max_position_embeddings
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else frozenset(loaded.config.eos_token_ids)
         self.eos_ids = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
-        self.stats = EngineStats(graphs_available=self.runner.graphs is not None)
+        self.stats = EngineStats(graphs_available=self.runner.graphs is not None, keep_logs=keep_step_logs)
         self._seq_ids = itertools.count()
         self._live: dict[int, _Live] = {}
         self.token_ids_by_row: dict[int, list[int]] | None = {} if record_token_ids else None
@@ -307,19 +248,15 @@ class Engine:
         self._last_read = step
         st = self.stats
         if step.is_prefill:
-            st.prefill_steps += 1
-            st.prefill_seconds += seconds
-            st.prefill_step_log.append((len(step.seqs), step.num_new_tokens, seconds))
+            st.add_prefill(len(step.seqs), step.num_new_tokens, seconds)
         else:
-            st.decode_steps += 1
-            st.decode_seconds += seconds
+            st.add_decode(len(step.seqs), step.num_context_tokens, seconds)
             if step.graphed:
                 st.graphed_decode_steps += 1
             else:
                 st.eager_decode_steps += 1
                 if step.eager_reason is not None:
                     st.eager_reasons[step.eager_reason] = st.eager_reasons.get(step.eager_reason, 0) + 1
-            st.decode_step_log.append((len(step.seqs), step.num_context_tokens, seconds))
 
     def _read_back(self, step: StepHandle) -> list[ResultRow]:
         """Put a finished step's real tokens in place of its placeholders; end sequences."""
@@ -335,7 +272,7 @@ class Engine:
             if index == 0:
                 now = now or time.perf_counter()
                 seq.first_token_time = now
-                self.stats.ttft_seconds.append(now - seq.arrival_time)
+                self.stats.add_ttft(now - seq.arrival_time)
             if self._stops(seq, tok, index, live.watch):
                 seq.finish_reason = "stop"
                 del seq.output_ids[index + 1:]  # a placeholder of the step now running

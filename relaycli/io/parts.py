@@ -11,11 +11,13 @@ import heapq
 import itertools
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from relaycli.io.failures import read_failure
 
 OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error")
 OUTPUT_SCHEMA = pa.schema([
@@ -28,7 +30,7 @@ OUTPUT_SCHEMA = pa.schema([
 PART_SCHEMA = pa.schema([pa.field("row_index", pa.int64(), nullable=False), *OUTPUT_SCHEMA,
                           pa.field("url", pa.string())])
 TMP = ".tmp-"  # prefix of every file not yet renamed into place; never a finished part
-READ_ROWS = 512  # rows a part reader holds at once during the merge
+MERGE_ROWS = 16384  # rows the readers of one merge hold at once, together: its memory whatever the job's size
 WRITE_ROWS = 4096  # rows per Parquet batch of the output
 
 
@@ -51,7 +53,10 @@ def write_atomically(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only or vanished folder; a leftover temp file is never taken for a part
         raise
     fsync_dir(path.parent)
 
@@ -66,16 +71,35 @@ def rows_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pydict({f.name: [r[f.name] for r in rows] for f in PART_SCHEMA}, schema=PART_SCHEMA)
 
 
-def read_part(path: Path) -> Iterator[dict]:
-    with pq.ParquetFile(path) as pf:
-        for batch in pf.iter_batches(batch_size=READ_ROWS):
-            yield from batch.to_pylist()
+def read_part(path: Path, batch_rows: int = 512) -> Iterator[dict]:
+    """A part's rows, batch_rows at a time; OutputError (read_failure) when it cannot be
+    read back whole."""
+    try:
+        with pq.ParquetFile(path) as pf:
+            for batch in pf.iter_batches(batch_size=batch_rows):
+                yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise read_failure(path, exc) from None
 
 
-def merge_parts(paths: Iterable[Path]) -> Iterator[dict]:
+def part_row_indices(path: Path) -> list[int] | None:
+    """The rows a saved part answers, or None when any of it cannot be read back: the merge
+    reads every column, so a part is only counted as done when all of it is sound."""
+    try:
+        table = pq.read_table(path)
+        if not table.schema.equals(PART_SCHEMA, check_metadata=False):
+            return None
+        table.validate(full=True)  # also checks that every string is UTF-8
+        return table.column("row_index").to_pylist()
+    except (pa.ArrowException, OSError):
+        return None
+
+
+def merge_parts(paths: list[Path]) -> Iterator[dict]:
     """Rows of sorted parts in row order; a row found in two parts (a crash mid-merge) once."""
     last = None
-    for row in heapq.merge(*(read_part(p) for p in paths), key=lambda r: r["row_index"]):
+    batch_rows = max(64, MERGE_ROWS // max(1, len(paths)))
+    for row in heapq.merge(*(read_part(p, batch_rows) for p in paths), key=lambda r: r["row_index"]):
         if row["row_index"] != last:
             last = row["row_index"]
             yield row

@@ -3,6 +3,11 @@
 Memory stays flat however large the input: neither reader holds more than one
 line or one record batch. A row that cannot be read becomes a parse error for that
 row (the job goes on); only a file that cannot be opened at all raises InputError.
+
+A job pins its input by the file's bytes (sha256) and identity (device, inode, size,
+modification time). A file replaced, cut short or rewritten after it was opened is an
+InputError, raised before any row of the changed bytes is handed on: the answers saved
+so far are of the pinned file, and `--resume` refuses another file.
 """
 
 from __future__ import annotations
@@ -10,9 +15,11 @@ from __future__ import annotations
 from relaycli.errors import RelayError
 import hashlib
 import json
+import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,6 +39,30 @@ class InputError(RelayError):
     """The input cannot be read at all; the message is one sentence for the user."""
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _changed(path: Path) -> InputError:
+    return InputError(f"the input file {path} changed while the job ran (replaced, cut short or rewritten); put "
+                      "the original back and run the same command with --resume")
+
+
+def _open_pinned(path: Path, identity: tuple) -> BinaryIO:
+    """The input opened again for reading, refused unless it is still the file first opened."""
+    try:
+        f = open(path, "rb", buffering=1 << 20)
+    except FileNotFoundError:
+        raise InputError(f"the input file {path} was removed while the job ran; put it back and run the same "
+                         "command with --resume") from None
+    except OSError as e:
+        raise InputError(f"input file {path} cannot be read ({e.strerror})") from None
+    if _identity(os.fstat(f.fileno())) != identity:
+        f.close()
+        raise _changed(path)
+    return f
+
+
 def detect_format(path: str | Path, fmt: str | None = None) -> str:
     """'jsonl' or 'parquet': fmt when given, else from the file's extension."""
     if fmt is not None:
@@ -48,8 +79,8 @@ def detect_format(path: str | Path, fmt: str | None = None) -> str:
 class RequestSource(ABC):
     """An opened input: `num_rows` up front (for progress), then rows in file order."""
 
-    def __init__(self, path: Path, fmt: str, num_rows: int) -> None:
-        self.path, self.fmt, self.num_rows = path, fmt, num_rows
+    def __init__(self, path: Path, fmt: str, num_rows: int, identity: tuple) -> None:
+        self.path, self.fmt, self.num_rows, self.identity = path, fmt, num_rows, identity
 
     @abstractmethod
     def __iter__(self) -> Iterator[RawRow]:
@@ -60,32 +91,41 @@ class RequestSource(ABC):
 
     def content_sha256(self) -> str:
         """sha256 of the file's bytes: what a resumed job's record pins the input by."""
-        try:
-            with open(self.path, "rb") as f:
-                return hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as e:
-            raise InputError(f"input file {self.path} cannot be read ({e.strerror})") from None
+        with _open_pinned(self.path, self.identity) as f:
+            try:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as e:
+                raise InputError(f"input file {self.path} cannot be read ({e.strerror})") from None
+            if _identity(os.fstat(f.fileno())) != self.identity:
+                raise _changed(self.path)
+        return digest
 
 
-def _lines(path: Path, digest=None) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of a JSONL file, for counting and reading alike, so num_rows
-    always equals the rows read. A UTF-8 BOM before the first line is not part of it.
-    Lines end in LF or CRLF. A file with no LF at all, but CRs, has old Mac line endings:
-    there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace.
-    digest: a hashlib object that is fed every byte of the file on the way."""
+def _lines(f, digest=None, at_end: Callable[[], None] | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of an opened JSONL file, for counting and reading alike, so
+    num_rows always equals the rows read. A UTF-8 BOM before the first line is not part of
+    it. Lines end in LF or CRLF. A file with no LF at all, but CRs, has old Mac line
+    endings: there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace.
+    digest: a hashlib object that is fed every byte of the file on the way.
+    at_end(): called once the whole file is read, before its last line is yielded (only
+    the last line lacks an LF), so a check of all the bytes can stop a line cut short."""
     line_no = 0
-    with open(path, "rb", buffering=1 << 20) as f:
-        for physical in f:
-            if digest is not None:
-                digest.update(physical)
-            # Only a first line without its LF is the whole file (iteration splits on LF).
-            cr_lines = line_no == 0 and not physical.endswith(b"\n")
-            if line_no == 0:
-                physical = physical.removeprefix(_BOM)
-            physical = physical.removesuffix(b"\n").removesuffix(b"\r")
-            for line in physical.split(b"\r") if cr_lines else (physical,):
-                line_no += 1
-                yield line_no, line
+    for physical in f:
+        if digest is not None:
+            digest.update(physical)
+        if at_end is not None and not physical.endswith(b"\n"):
+            at_end()
+            at_end = None
+        # Only a first line without its LF is the whole file (iteration splits on LF).
+        cr_lines = line_no == 0 and not physical.endswith(b"\n")
+        if line_no == 0:
+            physical = physical.removeprefix(_BOM)
+        physical = physical.removesuffix(b"\n").removesuffix(b"\r")
+        for line in physical.split(b"\r") if cr_lines else (physical,):
+            line_no += 1
+            yield line_no, line
+    if at_end is not None:
+        at_end()
 
 
 def _refuse_wide_text(path: Path) -> None:
@@ -117,28 +157,43 @@ class JsonlSource(RequestSource):
     def __init__(self, path: Path) -> None:
         _refuse_wide_text(path)
         num_rows, first, digest = 0, None, hashlib.sha256()
-        for _, line in _lines(path, digest):  # the counting pass also hashes, so the input is read once for both
-            if not _is_blank(line):
-                num_rows += 1
-                if first is None:
-                    first = line.strip()
+        with open(path, "rb", buffering=1 << 20) as f:
+            identity = _identity(os.fstat(f.fileno()))
+            for _, line in _lines(f, digest):  # the counting pass also hashes: the input is read once for both
+                if not _is_blank(line):
+                    num_rows += 1
+                    if first is None:
+                        first = line.strip()
+            if _identity(os.fstat(f.fileno())) != identity:
+                raise _changed(path)
         self._sha256 = digest.hexdigest()
         if first in (b"[", b"{"):
             # A pretty-printed JSON document would otherwise turn into one error per line.
             raise InputError(f"{path} looks like pretty-printed JSON; relay reads JSON Lines: "
                              "one complete object on each line")
-        super().__init__(path, "jsonl", num_rows)
+        super().__init__(path, "jsonl", num_rows, identity)
 
     def content_sha256(self) -> str:
         return self._sha256
 
     def __iter__(self) -> Iterator[RawRow]:
+        digest = hashlib.sha256()
+
+        def same_bytes() -> None:
+            if digest.hexdigest() != self._sha256:
+                raise _changed(self.path)
+
         row_index = 0
-        for line_no, line in _lines(self.path):
-            if _is_blank(line):
-                continue
-            yield (row_index, *_parse_line(line, row_index, line_no))
-            row_index += 1
+        with _open_pinned(self.path, self.identity) as f:
+            try:
+                for line_no, line in _lines(f, digest, same_bytes):
+                    if _is_blank(line):
+                        continue
+                    yield (row_index, *_parse_line(line, row_index, line_no))
+                    row_index += 1
+            except OSError as e:
+                raise InputError(f"input file {self.path} could not be read to its end ({e.strerror}); "
+                                 "run the same command with --resume") from None
 
 
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -174,32 +229,43 @@ class ParquetSource(RequestSource):
 
     def __init__(self, path: Path) -> None:
         try:
+            identity = _identity(os.stat(path))
             num_rows = pq.ParquetFile(path).metadata.num_rows
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"{path} is not a readable Parquet file ({_first_line(e)})") from None
-        super().__init__(path, "parquet", num_rows)
+        super().__init__(path, "parquet", num_rows, identity)
 
     def __iter__(self) -> Iterator[RawRow]:
-        try:
-            pf = pq.ParquetFile(self.path)
-        except (pa.ArrowException, OSError) as e:
-            raise InputError(f"{self.path} is not a readable Parquet file ({_first_line(e)})") from None
-        with pf:
-            num_groups = pf.metadata.num_row_groups
-            row_index = 0
-            for group in range(num_groups):
-                first, end = row_index, row_index + pf.metadata.row_group(group).num_rows
-                try:
-                    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
-                        for row in batch.to_pylist():
-                            yield row_index, _drop_nulls(row), None
-                            row_index += 1
-                except (pa.ArrowException, OSError) as e:
-                    why = (f"Parquet row group {group + 1} of {num_groups} (rows {first}-{end - 1}) could not be "
-                           f"read ({_first_line(e)}); rewrite the file to answer this row")
-                    for lost in range(row_index, end):
-                        yield lost, None, f"row {lost}: {why}"
-                    row_index = end
+        with _open_pinned(self.path, self.identity) as f:
+            try:
+                pf = pq.ParquetFile(f)
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"{self.path} is not a readable Parquet file ({_first_line(e)})") from None
+            with pf:
+                yield from self._groups(pf, f)
+
+    def _groups(self, pf: pq.ParquetFile, f) -> Iterator[RawRow]:
+        num_groups = pf.metadata.num_row_groups
+        row_index = 0
+        for group in range(num_groups):
+            first, end = row_index, row_index + pf.metadata.row_group(group).num_rows
+            try:
+                for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
+                    self._check_unchanged(f)  # rows read from a file rewritten meanwhile are not handed on
+                    for row in batch.to_pylist():
+                        yield row_index, _drop_nulls(row), None
+                        row_index += 1
+            except (pa.ArrowException, OSError) as e:
+                self._check_unchanged(f)  # a file cut short is no damaged row group
+                why = (f"Parquet row group {group + 1} of {num_groups} (rows {first}-{end - 1}) could not be "
+                       f"read ({_first_line(e)}); rewrite the file to answer this row")
+                for lost in range(row_index, end):
+                    yield lost, None, f"row {lost}: {why}"
+                row_index = end
+
+    def _check_unchanged(self, f) -> None:
+        if _identity(os.fstat(f.fileno())) != self.identity:
+            raise _changed(self.path)
 
 
 def _first_line(e: BaseException) -> str:
@@ -222,7 +288,7 @@ def open_requests(path: str | Path, fmt: str | None = None) -> RequestSource:
 
 
 def read_requests(source: Iterable[RawRow], defaults: RequestDefaults | None = None,
-                  skip: frozenset[int] | set[int] = frozenset()) -> Iterator[RequestRow | ResultRow]:
+                  skip: Set[int] = frozenset()) -> Iterator[RequestRow | ResultRow]:
     """Rows ready for the engine: RequestRows, and error ResultRows for bad rows.
 
     `skip` holds the rows a resumed job already has (ResultWriter.done_row_indices()).

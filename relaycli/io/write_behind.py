@@ -3,7 +3,8 @@
 A part's write ends in an fsync, and the answer's bookkeeping is host work: done on the
 engine's thread, each stalls the steps. `WriteBehind` hands results to a thread that owns
 the writer; the engine's thread only queues them. A write that fails (a full disk, a
-vanished folder) is raised on the engine's thread at its next `put`; `close` writes what
+vanished folder; the writer raises it as an `OutputError` naming the path, the cause and
+the fix) is raised on the engine's thread at its next `put`; `close` writes what
 is queued and raises such a failure too, so every answer finished is saved before the
 job stops.
 """

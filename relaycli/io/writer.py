@@ -11,13 +11,15 @@ A job is tied to its output by a job record (what the answers depend on: the inp
 bytes, the model, the artifacts, the defaults), kept as `job.json` in the parts folder
 and in a finished Parquet OUT's metadata, so that `--resume` refuses to mix the answers
 of two different jobs.
+
+A write that fails (a full disk, a file-size limit, a folder made read-only or removed)
+is an `OutputError` naming the path, the cause and the fix (failures.py); the parts
+already saved stay, and `--resume` answers the rest.
 """
 
 from __future__ import annotations
 
-from relaycli.errors import RelayError
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -26,21 +28,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
+from relaycli.io.failures import RESUME, OutputError, writing
+from relaycli.io.outfile import JOB_META_KEY, another_job, complete_rows, job_record_of, openai_line
 from relaycli.io.parts import (OUTPUT_COLUMNS, OUTPUT_SCHEMA, PART_SCHEMA, TMP, merge_parts,  # noqa: F401
-                               rows_table, write_atomically, write_json, write_parquet)
-from relaycli.io.requests import OPENAI_URLS, ResultRow
+                               part_row_indices, rows_table, write_atomically, write_json, write_parquet)
+from relaycli.io.requests import ResultRow
+from relaycli.io.rowset import RowSet
+
+__all__ = ["OUTPUT_COLUMNS", "OUTPUT_SCHEMA", "OutputError", "ResultWriter", "check_writable", "output_format",
+           "same_file"]
 
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _FAN_IN = 64  # parts merged at once: bounds open files and the memory of the merge
 JOB_FILE = "job.json"  # the job record, in the parts folder
-JOB_META_KEY = b"relay.job"  # the job record, in a finished Parquet OUT's key-value metadata
-
-
-class OutputError(RelayError):
-    """The output cannot be written or finished; the message is one sentence for the user."""
 
 
 def check_writable(path: Path, what: str = "output") -> None:
@@ -79,78 +81,6 @@ def output_format(path: str | Path, fmt: str | None = None) -> str:
     return _SUFFIXES[suffix]
 
 
-def _openai_line(row: dict, model: str, created: int) -> dict:
-    """One line of the OpenAI Batch output format, with ids derived from the row (stable on rerun)."""
-    digest = hashlib.sha256(f"{row['row_index']}:{row['id']}".encode()).hexdigest()
-    line = {"id": f"batch_req_{digest[:24]}", "custom_id": row["id"], "response": None, "error": None}
-    if row["finish_reason"] == "error":
-        line["error"] = {"code": "relay_error", "message": row["error"]}
-        return line
-    chat = row["url"] != OPENAI_URLS[1]
-    choice = {"index": 0, "logprobs": None, "finish_reason": row["finish_reason"]}
-    choice.update({"message": {"role": "assistant", "content": row["text"]}} if chat else {"text": row["text"]})
-    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
-             "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
-             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]}}
-    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[24:48]}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage}
-    line["response"] = {"status_code": 200, "request_id": digest[48:64], "body": body}
-    return line
-
-
-def _part_row_indices(path: Path) -> list[int] | None:
-    """The rows a saved part answers, or None when any of it cannot be read back: the merge
-    reads every column, so a part is only counted as done when all of it is sound."""
-    try:
-        table = pq.read_table(path)
-        if not table.schema.equals(PART_SCHEMA, check_metadata=False):
-            return None
-        table.validate(full=True)  # also checks that every string is UTF-8
-        return table.column("row_index").to_pylist()
-    except (pa.ArrowException, OSError):
-        return None
-
-
-def _complete_rows(path: Path, fmt: str) -> Iterator[tuple[str, bool]]:
-    """(id, is_error) of each row of a finished OUT; OutputError if it is not whole."""
-    try:
-        if fmt == "parquet":
-            with pq.ParquetFile(path) as pf:
-                for batch in pf.iter_batches(batch_size=4096, columns=["id", "finish_reason"]):
-                    for i, reason in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
-                        yield i, reason == "error"
-            return
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if "custom_id" in row:  # an OpenAI Batch output line
-                    yield row["custom_id"], row.get("error") is not None
-                else:
-                    yield row["id"], row["finish_reason"] == "error"
-    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as e:
-        raise OutputError(f"{path} exists but is not a whole relay output ({type(e).__name__}); "
-                          "remove it and run the job again") from None
-
-
-def _differing_keys(job: dict, stored: dict) -> list[str]:
-    """The fields in which two job records disagree (one having a field the other lacks too)."""
-    return sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
-
-
-def _job_record_of(path: Path, fmt: str) -> dict | None:
-    if fmt != "parquet":
-        return None  # a JSONL file has no place for it; its row ids are checked instead
-    try:
-        meta = pq.read_schema(path).metadata or {}
-        record = json.loads(meta[JOB_META_KEY]) if JOB_META_KEY in meta else None
-    except (pa.ArrowException, OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else {}  # {}: a record, but not one of any job
-
-
 class ResultWriter:
     """Buffer results, write them as atomic parts, merge them into OUT at finalize."""
 
@@ -172,7 +102,8 @@ class ResultWriter:
         self.error_rows = 0  # error rows of OUT, once it is finished or checked
         self.job: dict | None = None
         self._buffer: list[ResultRow] = []
-        self._done: set[int] = set()
+        self._done = RowSet()  # rows with an answer, saved or buffered: a bit each
+        self._parts_made = False  # the parts folder exists (made here, or found on resume)
         self._seq = 0
         self._last_flush = time.monotonic()
         self._finalized = False
@@ -193,6 +124,10 @@ class ResultWriter:
         check_writable(self.out_path)
 
     def _recover(self) -> None:
+        with writing(self.parts_dir):
+            self._recover_parts()
+
+    def _recover_parts(self) -> None:
         for leftover in self.out_path.parent.glob(f"{TMP}{self.out_path.name}"):
             leftover.unlink()  # an OUT that a crash stopped mid-write
         if self.out_path.exists():
@@ -200,13 +135,14 @@ class ResultWriter:
             return
         if not self.parts_dir.is_dir():
             return
+        self._parts_made = True
         for path in sorted(self.parts_dir.iterdir()):
             if path.name.startswith(TMP):
                 path.unlink()  # never renamed into place, so never counted as done
                 continue
             if path.suffix != ".parquet":
                 continue
-            indices = _part_row_indices(path)
+            indices = part_row_indices(path)
             if indices is None:
                 path.unlink()  # only disk corruption gets here; its rows are simply computed again
                 self.dropped_parts.append(path)
@@ -218,8 +154,9 @@ class ResultWriter:
         """A resumed job whose OUT exists: there is nothing left to do."""
         return self._complete
 
-    def done_row_indices(self) -> set[int]:
-        return set(self._done)
+    def done_row_indices(self) -> RowSet:
+        """The rows already answered (a copy): a bitmap, a bit a row."""
+        return self._done.copy()
 
     def bind_job(self, job: dict, num_rows: int, row_ids: Iterator[str]) -> None:
         """Tie the output to one job before any row is computed. A resumed run must be the
@@ -238,10 +175,10 @@ class ResultWriter:
                 stored = {}
             if not isinstance(stored, dict):
                 stored = {}
-            differ = _differing_keys(job, stored)
-            if differ:
-                raise OutputError(f"{self.parts_dir} holds answers of another job (its {', '.join(differ)} "
-                                  "differ from this run's); rerun that job as it was, or remove the folder")
+            if job != stored:
+                raise another_job(f"{self.parts_dir} holds answers", job, stored,
+                                  "rerun that job as it was, or remove the folder",
+                                  "remove the folder to start over")
         elif self._done:
             raise OutputError(f"{self.parts_dir} holds answers but no job record (an older relay wrote it); "
                               "remove the folder and run the job again")
@@ -249,13 +186,12 @@ class ResultWriter:
     def _check_complete(self, job: dict | None, num_rows: int, row_ids: Iterator[str] | None) -> None:
         """OUT must hold num_rows rows (row_ids, when given, in order) and, where it keeps a
         job record, this job's; counts its error rows."""
-        stored = _job_record_of(self.out_path, self.fmt) if job is not None else None
+        stored = job_record_of(self.out_path, self.fmt) if job is not None else None
         if stored is not None and stored != job:
-            differ = ", ".join(_differing_keys(job, stored))
-            raise OutputError(f"{self.out_path} holds the answers of another job (its {differ} "
-                              "differ from this run's); remove it or choose another --out")
+            raise another_job(f"{self.out_path} holds the answers", job, stored, "remove it or choose another --out",
+                              "remove it or choose another --out")
         count, errors, wanted = 0, 0, None if row_ids is None else iter(row_ids)
-        for row_id, is_error in _complete_rows(self.out_path, self.fmt):
+        for row_id, is_error in complete_rows(self.out_path, self.fmt):
             if count >= num_rows or (wanted is not None and next(wanted, None) != row_id):
                 raise OutputError(f"row {count} of {self.out_path} (id {row_id!r}) is not row {count} of the "
                                   "input; it belongs to another job: remove it or choose another --out")
@@ -284,10 +220,16 @@ class ResultWriter:
             return
         rows = sorted((vars(r) for r in self._buffer), key=lambda r: r["row_index"])
         table = rows_table(rows)
-        self.parts_dir.mkdir(exist_ok=True)
+        if self._parts_made and not self.parts_dir.is_dir():
+            raise OutputError(f"{self.parts_dir}, where this job saves its answers, was removed or moved while the "
+                              f"job ran; put it back or choose another --out, {RESUME}")
+        with writing(self.parts_dir):
+            self.parts_dir.mkdir(exist_ok=True)
+        self._parts_made = True
         record = self.parts_dir / JOB_FILE
         if self.job is not None and not record.exists():
-            write_json(record, self.job)  # before the first part, so no part is ever without it
+            with writing(record):
+                write_json(record, self.job)  # before the first part, so no part is ever without it
         self._write_part(lambda f: pq.write_table(table, f))
         self._buffer.clear()
 
@@ -295,7 +237,8 @@ class ResultWriter:
         # time_ns + pid keeps names unique across resumed runs without reading the folder.
         self._seq += 1
         path = self.parts_dir / f"part-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.parquet"
-        write_atomically(path, write)
+        with writing(path):
+            write_atomically(path, write)
         return path
 
     def _parts(self) -> list[Path]:
@@ -338,8 +281,9 @@ class ResultWriter:
                 self._check_complete(None, num_rows, None)
         else:
             self.flush()
-            rows = self._counted(self._checked(merge_parts(self._reduce(self._parts())), num_rows))
-            write_atomically(self.out_path, lambda f: self._write_output(f, rows))
+            with writing(self.out_path):  # a part that cannot be read back is an OutputError of its own
+                rows = self._counted(self._checked(merge_parts(self._reduce(self._parts())), num_rows))
+                write_atomically(self.out_path, lambda f: self._write_output(f, rows))
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         self._finalized = True
         self._unlock(remove=True)
@@ -359,7 +303,7 @@ class ResultWriter:
             return
         created = int(time.time())
         for row in rows:
-            obj = (_openai_line(row, self.model_name, created) if self.openai_output
+            obj = (openai_line(row, self.model_name, created) if self.openai_output
                    else {k: row[k] for k in OUTPUT_COLUMNS})
             f.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
 
@@ -382,7 +326,10 @@ class ResultWriter:
         if getattr(self, "_lock_fd", None) is None:
             return
         if remove:  # leave no dot file beside OUT; safe while we hold it (see _lock)
-            self._lock_path().unlink(missing_ok=True)
+            try:
+                self._lock_path().unlink(missing_ok=True)
+            except OSError:
+                pass  # a folder made read-only: the file stays, and holds no lock once closed
         os.close(self._lock_fd)  # closing drops the lock
         self._lock_fd = None
 

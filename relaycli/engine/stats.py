@@ -1,0 +1,144 @@
+"""What the engine counts while it runs, in memory that does not grow with the job.
+
+A job of a million rows has a million first-token times and thousands of steps. Counts
+and sums are kept exactly; the percentiles come from a `Summary`: every value up to a
+bound, then a fixed-size uniform sample of all of them. The full per-step logs (each
+step's batch, context and time) are kept only when asked for (`keep_logs`, what `relay
+bench` reads to price each step against its floor).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+SUMMARY_VALUES = 4096  # values a Summary keeps: exact percentiles up to this many, a sample after
+
+
+def quantile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (the element at index q * n), None when empty.
+
+    relay run's stats and relay bench's rows both use it, so their medians agree."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+class Summary:
+    """Count, sum and quantiles of a stream of numbers in bounded memory.
+
+    The first `keep` values are all kept, so quantiles are exact up to there; after that a
+    uniform sample of `keep` values stands for all of them (reservoir sampling, with a
+    fixed seed so a run's numbers repeat), whose quantiles are within about 1/sqrt(keep) of
+    the true rank. The mean is always exact."""
+
+    __slots__ = ("count", "total", "_keep", "_values", "_sorted", "_rng")
+
+    def __init__(self, keep: int = SUMMARY_VALUES) -> None:
+        self.count, self.total, self._keep = 0, 0.0, keep
+        self._values: list[float] = []
+        self._sorted: list[float] | None = None
+        self._rng: random.Random | None = None
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if len(self._values) < self._keep:
+            self._values.append(value)
+        else:
+            if self._rng is None:
+                self._rng = random.Random(0)
+            slot = self._rng.randrange(self.count)
+            if slot >= self._keep:
+                return
+            self._values[slot] = value
+        self._sorted = None
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+    def quantile(self, q: float) -> float | None:
+        if self._sorted is None:
+            self._sorted = sorted(self._values)
+        return quantile(self._sorted, q)
+
+    @property
+    def exact(self) -> bool:
+        """Whether every value is still kept (the quantiles are exact)."""
+        return self.count <= self._keep
+
+
+@dataclass
+class EngineStats:
+    rows: int = 0
+    errors: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    preemptions: int = 0
+    graphs_available: bool = False  # decode steps can run as CUDA graphs (CUDA, Triton)
+    graphed_decode_steps: int = 0
+    eager_decode_steps: int = 0
+    eager_reasons: dict[str, int] = field(default_factory=dict)  # why decode steps ran eagerly, counted
+    prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
+    device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
+    prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
+    keep_logs: bool = field(default=False, repr=False)  # keep the per-row and per-step lists below
+    ttft: Summary = field(default_factory=Summary, repr=False)  # time to first token, per row
+    decode_step: Summary = field(default_factory=Summary, repr=False)  # seconds, per decode step
+    # With keep_logs only (else None): every row's TTFT, every step's (sequences, own context
+    # or new tokens, seconds).
+    ttft_seconds: list[float] | None = field(default=None, repr=False)
+    decode_step_log: list[tuple[int, int, float]] | None = field(default=None, repr=False)
+    prefill_step_log: list[tuple[int, int, float]] | None = field(default=None, repr=False)
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        if self.keep_logs:
+            self.ttft_seconds, self.decode_step_log, self.prefill_step_log = [], [], []
+
+    def add_ttft(self, seconds: float) -> None:
+        self.ttft.add(seconds)
+        if self.ttft_seconds is not None:
+            self.ttft_seconds.append(seconds)
+
+    def add_prefill(self, seqs: int, new_tokens: int, seconds: float) -> None:
+        self.prefill_steps += 1
+        self.prefill_seconds += seconds
+        self.prefill_tokens += new_tokens
+        if self.prefill_step_log is not None:
+            self.prefill_step_log.append((seqs, new_tokens, seconds))
+
+    def add_decode(self, seqs: int, context: int, seconds: float) -> None:
+        self.decode_steps += 1
+        self.decode_seconds += seconds
+        self.decode_step.add(seconds)
+        if self.decode_step_log is not None:
+            self.decode_step_log.append((seqs, context, seconds))
+
+    def decode_step_p50(self) -> float | None:
+        return self.decode_step.quantile(0.5)
+
+    def generated_tokens_per_second(self) -> float:
+        """Cheap enough to call after every row."""
+        elapsed = time.perf_counter() - self.started
+        return self.completion_tokens / elapsed if elapsed > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        skip = ("started", "keep_logs", "ttft", "decode_step", "ttft_seconds", "decode_step_log", "prefill_step_log")
+        d = {k: v for k, v in self.__dict__.items() if k not in skip}
+        d["ttft_mean_seconds"] = self.ttft.mean()
+        d["ttft_p50_seconds"] = self.ttft.quantile(0.5)
+        d["ttft_p90_seconds"] = self.ttft.quantile(0.9)
+        d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
+        d["decode_step_p50_seconds"] = self.decode_step_p50()
+        elapsed = time.perf_counter() - self.started
+        d["elapsed_seconds"] = elapsed
+        d["generated_tokens_per_second"] = self.generated_tokens_per_second()
+        d["rows_per_second"] = self.rows / elapsed if elapsed > 0 else 0.0
+        return d

@@ -1,0 +1,92 @@
+"""A finished OUT: the OpenAI batch line a row becomes, and reading OUT back.
+
+`--resume` on a finished OUT checks it instead of writing it again: its rows (ids in
+input order, every one there) and, for Parquet, the job record kept in its metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from relaycli.io.failures import OutputError
+from relaycli.io.requests import OPENAI_URLS
+
+JOB_META_KEY = b"relay.job"  # the job record, in a finished Parquet OUT's key-value metadata
+
+
+def openai_line(row: dict, model: str, created: int) -> dict:
+    """One line of the OpenAI Batch output format, with ids derived from the row (stable on rerun)."""
+    digest = hashlib.sha256(f"{row['row_index']}:{row['id']}".encode()).hexdigest()
+    line = {"id": f"batch_req_{digest[:24]}", "custom_id": row["id"], "response": None, "error": None}
+    if row["finish_reason"] == "error":
+        line["error"] = {"code": "relay_error", "message": row["error"]}
+        return line
+    chat = row["url"] != OPENAI_URLS[1]
+    choice = {"index": 0, "logprobs": None, "finish_reason": row["finish_reason"]}
+    choice.update({"message": {"role": "assistant", "content": row["text"]}} if chat else {"text": row["text"]})
+    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
+             "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
+             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]}}
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[24:48]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": [choice], "usage": usage}
+    line["response"] = {"status_code": 200, "request_id": digest[48:64], "body": body}
+    return line
+
+
+def complete_rows(path: Path, fmt: str) -> Iterator[tuple[str, bool]]:
+    """(id, is_error) of each row of a finished OUT; OutputError if it is not whole."""
+    try:
+        if fmt == "parquet":
+            with pq.ParquetFile(path) as pf:
+                for batch in pf.iter_batches(batch_size=4096, columns=["id", "finish_reason"]):
+                    for i, reason in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                        yield i, reason == "error"
+            return
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if "custom_id" in row:  # an OpenAI Batch output line
+                    yield row["custom_id"], row.get("error") is not None
+                else:
+                    yield row["id"], row["finish_reason"] == "error"
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as e:
+        raise OutputError(f"{path} exists but is not a whole relay output ({type(e).__name__}); "
+                          "remove it and run the job again") from None
+
+
+def job_record_of(path: Path, fmt: str) -> dict | None:
+    """The job record a finished OUT keeps: None where it has no place for one (JSONL, whose
+    row ids are checked instead), {} where what it holds is no job's record."""
+    if fmt != "parquet":
+        return None
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        record = json.loads(meta[JOB_META_KEY]) if JOB_META_KEY in meta else None
+    except (pa.ArrowException, OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else {}
+
+
+def differing_keys(job: dict, stored: dict) -> list[str]:
+    """The fields in which two job records disagree (one having a field the other lacks too)."""
+    return sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
+
+
+def another_job(what: str, job: dict, stored: dict, fix: str, start_over: str) -> OutputError:
+    """`what` (e.g. "OUT holds the answers") belongs to another job: say which part of the
+    record differs and the fix. A changed input, the case a user meets most, says so in words."""
+    differ = differing_keys(job, stored)
+    why = f"{what} of another job (its {', '.join(differ)} differ from this run's)"
+    if "input_sha256" in differ:
+        return OutputError(f"{why}: the input file changed since those answers were saved; put the original "
+                           f"input back to resume, or {start_over}")
+    return OutputError(f"{why}; {fix}")
