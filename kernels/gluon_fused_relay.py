@@ -58,7 +58,7 @@ SYS_REGS = 176
 CTX_REGS = 136
 
 
-@gluon.jit(do_not_specialize=["n_queries", "keys_per_split", "num_splits"])
+@gluon.jit(do_not_specialize=["n_queries", "keys_per_split", "num_splits", "stride_bt"])
 def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_ptr, o_ptr, lse_ptr,
                   n_queries, seq_len, keys_per_split, num_splits, qk_scale, stride_bt,
                   stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,

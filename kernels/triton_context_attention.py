@@ -158,8 +158,9 @@ def _paged_program(pid_m, seq, h, split, q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, 
 
 
 # Runtime counts that change from step to step are not specialised: Triton would compile
-# another variant for a value of 1 or a multiple of 16, inside a running job.
-@triton.jit(do_not_specialize=["group_id", "prefix_len", "num_splits", "split_base", "sys_splits"])
+# another variant for a value of 1 or a multiple of 16, inside a running job. The block
+# table's row stride is one of them: an eager step's table is as wide as its longest row.
+@triton.jit(do_not_specialize=["group_id", "prefix_len", "num_splits", "split_base", "sys_splits", "stride_bt"])
 def _paged_kernel(q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, o_ptr, lse_ptr, so_ptr, sl_ptr,
                   cu_ptr, ctx_ptr, bt_ptr, grp_ptr, tab_ptr,
                   group_id, prefix_len, num_splits, split_base, num_kv_heads, sys_splits,

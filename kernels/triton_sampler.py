@@ -31,6 +31,7 @@ fp32 bits of the temperature (0: greedy), fp32 bits of top_p (>= 1: off); see
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -252,12 +253,15 @@ def _uniform_kernel(seeds_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
         tl.store(out_ptr + row * vocab + cols, _uniform(seed, start, BLOCK), mask=cols < vocab)
 
 
-def pack_params(seeds: list[int], top_ks: list[int], temperatures: list[float],
-                top_ps: list[float]) -> torch.Tensor:
-    """Per-row options as the kernel's [B, 4] int64 host tensor (one copy to the device)."""
-    floats = torch.tensor([temperatures, top_ps], dtype=torch.float32).view(torch.int32).to(torch.int64)
-    return torch.stack([torch.tensor(seeds, dtype=torch.int64), torch.tensor(top_ks, dtype=torch.int64),
-                        floats[0], floats[1]], dim=1)
+def pack_params(seeds, top_ks, temperatures, top_ps) -> torch.Tensor:
+    """Per-row options (sequences or arrays) as the kernel's [B, 4] int64 host tensor (one
+    copy to the device): seed, top_k, and the fp32 bits of temperature and top_p."""
+    params = np.empty((len(seeds), 4), dtype=np.int64)
+    params[:, 0] = seeds
+    params[:, 1] = top_ks
+    params[:, 2] = np.asarray(temperatures, dtype=np.float32).view(np.int32)
+    params[:, 3] = np.asarray(top_ps, dtype=np.float32).view(np.int32)
+    return torch.from_numpy(params)
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, scratch: torch.Tensor | None = None,

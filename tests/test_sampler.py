@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from relaycli.engine.sampler import Sampler, draw_seed, filter_logits, keep_threshold
+from relaycli.engine.sampler import Sampler, draw_seed, draw_seeds, filter_logits, keep_threshold
 from relaycli.engine.sequence import SamplingOptions
 
 
@@ -172,6 +172,14 @@ def test_draw_seed_separates_requests_and_draws():
     seeds = {draw_seed(s, d) for s in range(50) for d in range(50)}
     assert len(seeds) == 2500 and all(0 <= x < 2 ** 63 for x in seeds)
     assert draw_seed(7, 3) == draw_seed(7, 3)
+
+
+def test_draw_seeds_is_draw_seed_for_every_pair():
+    """The vectorised mix equals the scalar one, for seeds past 64 bits and below zero too."""
+    rng = random.Random(5)
+    seeds = [rng.randrange(-2 ** 70, 2 ** 70) for _ in range(300)] + [0, -1, 2 ** 64 - 1, 2 ** 63]
+    draws = [rng.randrange(0, 1 << 20) for _ in seeds]
+    assert draw_seeds(seeds, draws).tolist() == [draw_seed(s, d) for s, d in zip(seeds, draws)]
 
 
 def test_cpu_sampler_filters_a_large_vocabulary_without_sorting_it(monkeypatch):

@@ -114,8 +114,9 @@ class DecodeGraphs:
             self.eager_reason = EAGER_TOO_MANY_PREFIXES
             return None
         slot = next(iter(slots)) if len(slots) == 1 else MIXED
-        tokens = sum(s.num_own_tokens for s in seqs)
-        key = self._bucket(len(seqs), max(s.num_own_tokens for s in seqs), slot, tokens)
+        own = [s.num_own_tokens for s in seqs]
+        tokens = sum(own)
+        key = self._bucket(len(seqs), max(own), slot, tokens)
         if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             self.eager_reason = EAGER_GRAPH_LIMIT
             return None
@@ -216,12 +217,12 @@ class DecodeGraphs:
         n = len(seqs)
         bsz = self.block_size
         width = -(-ctx // bsz)  # only the columns this context bucket reads
-        rows = np.empty((3, n), dtype=np.int64)
-        for b, s in enumerate(seqs):
-            i = s.num_own_tokens - 1
-            rows[0, b] = s.num_prefix_tokens + i
-            rows[1, b] = s.slot(i, bsz)
-            rows[2, b] = s.num_own_tokens
+        rows = np.empty((3, n), dtype=np.int64)  # position, cache slot, own context of each row
+        rows[2] = [s.num_own_tokens for s in seqs]
+        last = rows[2] - 1  # the own index of the token each row feeds in
+        rows[0] = np.fromiter((s.num_prefix_tokens for s in seqs), dtype=np.int64, count=n) + last
+        blocks = np.fromiter((s.block_table[i] for s, i in zip(seqs, (last // bsz).tolist())), dtype=np.int64, count=n)
+        rows[1] = blocks * bsz + last % bsz
         tables = pack_block_tables([s.block_table for s in seqs], width, self.scratch_block, self.host_tables)
         dev = self.input_ids.device
         dev_rows = stage(torch.from_numpy(rows), dev)

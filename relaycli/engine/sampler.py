@@ -11,6 +11,7 @@ other rows share the batch, nor on preemption. On CUDA a Triton kernel pair does
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from relaycli.engine.sequence import SamplingOptions
@@ -91,6 +92,18 @@ def draw_seed(seed: int, draw: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def draw_seeds(seeds: list[int], draws: list[int]) -> np.ndarray:
+    """draw_seed of each (seed, draw) pair as int64, in one pass of numpy's wrapping uint64
+    arithmetic (a decode step of 256 sampled rows would otherwise mix 256 seeds in Python)."""
+    s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
+    d = np.array(draws, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = s * np.uint64(0x9E3779B97F4A7C15) + (d + np.uint64(1)) * np.uint64(0xD1B54A32D192ED03)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return ((z ^ (z >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
+
+
 class Sampler:
     """Token choice for a batch. kernel "triton": two Triton launches for the whole batch
     (kernels/triton_sampler.py, CUDA); "torch": PyTorch ops on any device, where each
@@ -121,7 +134,7 @@ class Sampler:
             from relaycli.kernels import triton_sampler
             vocab = logits.shape[-1]
             params = triton_sampler.pack_params(
-                [draw_seed(o.seed, d) for o, d in zip(options, draws)], [min(o.top_k or vocab, vocab) for o in options],
+                draw_seeds([o.seed for o in options], draws), [min(o.top_k or vocab, vocab) for o in options],
                 [o.temperature for o in options], [o.top_p for o in options])
             return triton_sampler.sample(logits, stage(params, logits.device))
         return self._sample_torch(logits, options, draws)
