@@ -41,13 +41,15 @@ class BlockManager:
             raise RuntimeError("allocate called without can_allocate")
         seq.block_table = [self.free_blocks.pop() for _ in range(need)]
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for one more own token (a decode step)."""
-        return seq.num_own_tokens <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
-
-    def append_slot(self, seq: Sequence) -> None:
-        if seq.num_own_tokens > len(seq.block_table) * self.block_size:
-            seq.block_table.append(self.free_blocks.pop())
+    def grow(self, seq: Sequence) -> bool:
+        """Room for one more own token (a decode step): a new block when the last one is
+        full. False, and nothing changed, when that needs a block and none is free."""
+        if seq.num_own_tokens <= len(seq.block_table) * self.block_size:
+            return True
+        if not self.free_blocks:
+            return False
+        seq.block_table.append(self.free_blocks.pop())
+        return True
 
     def free(self, seq: Sequence) -> None:
         self.free_blocks.extend(reversed(seq.block_table))

@@ -67,16 +67,16 @@ class Scheduler:
             return scheduled, True
         self.is_filling = False
         decode: list[Sequence] = []
+        grow = self.block_manager.grow
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below
-            while not self.block_manager.can_append(seq):
+            while not grow(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
                 decode.append(seq)
         # Longest own context first: the attention kernels launch a batch's programs in
         # row order, so the longest ones start first and the short ones fill in behind
