@@ -12,7 +12,7 @@ from relaycli.models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
 from relaycli.engine.cuda_graph import (BATCH_BUCKETS, EAGER_TOO_MANY_PREFIXES, MAX_TABLE_GROUPS, MIXED, DecodeGraphs,
-                                        pack_block_tables)
+                                        decode_rows, pack_block_tables)
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions, Sequence
 
@@ -98,6 +98,24 @@ def test_steps_past_the_graphs_bounds_run_eagerly_and_say_why():
     seqs = [Sequence(i, [7], SamplingOptions(max_tokens=4), 2, i) for i in range(MAX_TABLE_GROUPS + 1)]
     assert graphs.key(seqs) is None and graphs.eager_reason == EAGER_TOO_MANY_PREFIXES
     assert graphs.key(seqs[:MAX_TABLE_GROUPS])[2] == MIXED
+
+
+def test_decode_rows_are_each_rows_position_slot_and_context():
+    """The arrays a graphed step is filled from equal what each sequence says of its last token."""
+    rng = random.Random(3)
+    for block_size in (1, 16, 64):
+        seqs = []
+        for i in range(50):
+            prefix = rng.choice([0, rng.randrange(1, 5000)])
+            seq = Sequence(i, [1] * rng.randint(1, 300), SamplingOptions(max_tokens=8), num_prefix_tokens=prefix,
+                           prefix_slot=None if prefix == 0 else rng.randrange(4), output_ids=[2] * rng.randint(0, 200))
+            seq.block_table = rng.sample(range(10 ** 5), -(-seq.num_own_tokens // block_size))
+            seqs.append(seq)
+        rows = decode_rows(seqs, block_size)
+        last = [s.num_own_tokens - 1 for s in seqs]
+        assert rows[0].tolist() == [s.num_prefix_tokens + i for s, i in zip(seqs, last)]
+        assert rows[1].tolist() == [s.slot(i, block_size) for s, i in zip(seqs, last)]
+        assert rows[2].tolist() == [s.num_own_tokens for s in seqs]
 
 
 def test_pack_block_tables_equals_padded_lists():

@@ -217,12 +217,7 @@ class DecodeGraphs:
         n = len(seqs)
         bsz = self.block_size
         width = -(-ctx // bsz)  # only the columns this context bucket reads
-        rows = np.empty((3, n), dtype=np.int64)  # position, cache slot, own context of each row
-        rows[2] = [s.num_own_tokens for s in seqs]
-        last = rows[2] - 1  # the own index of the token each row feeds in
-        rows[0] = np.fromiter((s.num_prefix_tokens for s in seqs), dtype=np.int64, count=n) + last
-        blocks = np.fromiter((s.block_table[i] for s, i in zip(seqs, (last // bsz).tolist())), dtype=np.int64, count=n)
-        rows[1] = blocks * bsz + last % bsz
+        rows = decode_rows(seqs, bsz)
         tables = pack_block_tables([s.block_table for s in seqs], width, self.scratch_block, self.host_tables)
         dev = self.input_ids.device
         dev_rows = stage(torch.from_numpy(rows), dev)
@@ -303,6 +298,20 @@ def context_bucket(longest: int) -> int:
     while ctx < longest:
         ctx *= CONTEXT_BUCKET_GROWTH
     return ctx
+
+
+def decode_rows(seqs: list[Sequence], block_size: int) -> np.ndarray:
+    """[3, n] int64: each row's position, cache slot and own context length in a decode
+    step (the row feeds in its last own token), as arrays rather than row by row."""
+    n = len(seqs)
+    rows = np.empty((3, n), dtype=np.int64)
+    rows[2] = [s.num_own_tokens for s in seqs]
+    last = rows[2] - 1  # the own index of the token each row feeds in
+    rows[0] = np.fromiter((s.num_prefix_tokens for s in seqs), dtype=np.int64, count=n) + last
+    blocks = np.fromiter((s.block_table[i] for s, i in zip(seqs, (last // block_size).tolist())),
+                         dtype=np.int64, count=n)
+    rows[1] = blocks * block_size + last % block_size
+    return rows
 
 
 def pack_block_tables(tables: list[list[int]], width: int, fill: int, out: np.ndarray) -> np.ndarray:
