@@ -5,6 +5,7 @@
     relay bench e2e [...]       whole engine: relay vs --no-relay vs transformers generate
     relay bench e2e --through-run   the same rows through `relay run`, beside the engine alone
     relay bench volume [...]    rows/s and peak memory of `relay run` as the row count grows
+    relay bench soak [...]      a job stopped and resumed again and again; outputs as uninterrupted
 
 Options left out take defaults that depend on the device (small on CPU).
 """
@@ -297,6 +298,30 @@ def volume_cmd(
         _save([report], json_path, None, quiet)
 
 
+@bench_app.command("soak")
+def soak_cmd(
+    minutes: float = typer.Option(30.0, "--minutes", help="How long to keep stopping and resuming jobs."),
+    rows: int = typer.Option(400, "--rows", help="Rows of the job."),
+    pause: Optional[float] = typer.Option(None, "--pause", help="Mean seconds a run lives before it is stopped "
+                                          "(default: a third of the uninterrupted run)."),
+    model: str = typer.Option("dummy:tiny", "--model", help="The model of the runs."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Sequences in flight."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the rows and of the stop times."),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the rows, prompt and logs in this new folder."),
+    json_path: Optional[Path] = _JSON,
+    quiet: bool = _QUIET,
+) -> None:
+    """Stop a job by SIGTERM or SIGKILL again and again and resume it, for --minutes: every
+    finished output must equal an uninterrupted run's."""
+    from relaycli.bench.soak import SoakOptions, run_soak, soak_table
+    with _refusals():
+        _check_outputs(json_path, None)
+        opts = SoakOptions(minutes=minutes, rows=rows, pause=pause, model=model, max_batch=max_batch, seed=seed)
+        report = run_soak(opts, keep, _progress(quiet))
+        _out().print(soak_table(report))
+        _save([report], json_path, None, quiet)
+
+
 @bench_app.command("show")
 def show_cmd(
     paths: list[Path] = typer.Argument(..., help="JSON files written by relay bench --json."),
@@ -317,7 +342,7 @@ def show_cmd(
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
             found = data.get("reports", [data]) if isinstance(data, dict) else []
-            kinds = ("e2e", "kernels", "e2e-through-run", "volume")
+            kinds = ("e2e", "kernels", "e2e-through-run", "volume", "soak")
             if not found or any(not isinstance(r, dict) or r.get("kind") not in kinds for r in found):
                 raise ValueError(f"{path}: not a file written by relay bench --json")
             reports += found
@@ -332,6 +357,9 @@ def show_cmd(
             elif rep["kind"] == "volume":
                 from relaycli.bench.volume import volume_table
                 _out().print(volume_table(rep))
+            elif rep["kind"] == "soak":
+                from relaycli.bench.soak import soak_table
+                _out().print(soak_table(rep))
             else:
                 _out().print(kernels_table(rep))
         _save(reports, json_path, plot_path, False)
