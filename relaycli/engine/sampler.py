@@ -81,14 +81,15 @@ def _threshold_of_sorted(scaled: torch.Tensor, head: torch.Tensor, top_k: torch.
 CPU_CANDIDATES = 1024  # tokens the CPU looks among for top-k / top-p before sorting a whole row
 
 _MASK64 = (1 << 64) - 1
+_SEED_MUL, _DRAW_MUL, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def draw_seed(seed: int, draw: int) -> int:
     """The random stream of a request's draw-th token: a 63-bit mix (splitmix64) of its
     seed and the draw index, so every token's noise is fixed by the request alone."""
-    z = (seed * 0x9E3779B97F4A7C15 + (draw + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (seed * _SEED_MUL + (draw + 1) * _DRAW_MUL) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return (z ^ (z >> 31)) >> 1
 
 
@@ -98,9 +99,9 @@ def draw_seeds(seeds: list[int], draws: list[int]) -> np.ndarray:
     s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
     d = np.array(draws, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = s * np.uint64(0x9E3779B97F4A7C15) + (d + np.uint64(1)) * np.uint64(0xD1B54A32D192ED03)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = s * np.uint64(_SEED_MUL) + (d + np.uint64(1)) * np.uint64(_DRAW_MUL)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
         return ((z ^ (z >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
