@@ -49,7 +49,7 @@ from relaycli.kernels.gluon_own_keys import QN, _ctx_consumer, _ctx_producer, _q
 from relaycli.kernels.gluon_system_attention import LOG2E, WS_PRODUCER_REGS, _ws_consumer, _ws_producer, _ws_ring
 from relaycli.kernels.tiles import FusedTile, MergeTile
 from relaycli.kernels.triton_plan import FUSED_CHUNK
-from relaycli.kernels.triton_system_attention import merge_partials
+from relaycli.kernels.triton_merge import merge_partials
 
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
 # launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get FusedTile.sys_regs

@@ -28,7 +28,8 @@ from relaycli.kernels.triton_context_attention import check_paged, paged_attenti
 from relaycli.kernels.triton_grouped_system import grouped_system_attention_into
 from relaycli.kernels.triton_paged_decode import group_prefixes
 from relaycli.kernels.triton_paged_decode import prefix_paged_attention as _baseline
-from relaycli.kernels.triton_system_attention import merge_partials, system_attention_into
+from relaycli.kernels.triton_merge import merge_partials
+from relaycli.kernels.triton_system_attention import system_attention_into
 
 __all__ = ["relay_attention", "execute", "prefix_paged_attention", "write_kv"]
 

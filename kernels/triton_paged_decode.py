@@ -14,7 +14,7 @@ import torch
 from relaycli.kernels.metadata import AttentionMetadata
 from relaycli.kernels.planner import AttentionPlan, plan_baseline
 from relaycli.kernels.triton_context_attention import check_paged, paged_attention
-from relaycli.kernels.triton_system_attention import merge_partials
+from relaycli.kernels.triton_merge import merge_partials
 
 
 def group_prefixes(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]]):

@@ -4,9 +4,10 @@ For KV head h the G query heads of all n queries form one [n*G, D] matrix (row r
 query r // G, head h*G + r % G), so one tile of K_S/V_S read from HBM serves BLOCK_M
 rows through tl.dot. When n*G is small the prefix is cut into `num_splits` chunks
 (flash-decoding): each program writes a partial (o, lse) in fp32, and the partials are
-merged exactly, either by `_merge_kernel` here or in the epilogue of the context kernel.
+merged exactly, either by the merge kernel (kernels/triton_merge.py) or in the epilogue of
+the context kernel.
 
-The online-softmax helpers below are shared with the paged kernels.
+The online-softmax and merge helpers below are shared with the paged and merge kernels.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from relaycli.kernels.pdl import launch_options, pdl_supported
 from relaycli.kernels.planner import AttentionPlan, plan_system
-from relaycli.kernels.tiles import DECODE_TILE, MergeTile, Tile
+from relaycli.kernels.tiles import DECODE_TILE, Tile
 from relaycli.kernels.triton_plan import tma_ok
 
 LOG2E = 1.4426950408889634
@@ -188,34 +187,6 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                     G, D, BLOCK_M, BLOCK_N, HAS_ROWS, IEEE, TMA)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
-                  stride_ps, stride_pn, stride_ph, stride_qs, stride_qn,
-                  stride_on, stride_oh, stride_ln,
-                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr,
-                  WAIT: tl.constexpr):
-    """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads.
-
-    A decode step has few rows, so few programs, each walking the splits in turn: UNROLL
-    of them are loaded at once (_merge_splits). WAIT: launched as a programmatic dependent
-    of the kernel that wrote the partials, so wait for it before any load.
-    """
-    if WAIT:
-        gdc_wait()
-    n = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < num_heads
-    offs_d = tl.arange(0, D)
-    o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    o, lse = _merge_splits(o, lse, po_ptr, pl_ptr, n * stride_pn + heads * stride_ph, n * stride_qn + heads,
-                           stride_ps, stride_qs, num_splits, hmask, D, UNROLL)
-    tl.store(o_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
-    if WRITE_LSE:
-        tl.store(lse_ptr + n * stride_ln + heads, lse, mask=hmask)
-
-
 def check_prefix(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> None:
     assert q.dim() == 3 and q.stride(-1) == 1, f"q must be [N, Hq, D] with unit last stride, got {tuple(q.shape)}"
     assert k_sys.dim() == 3 and k_sys.shape == v_sys.shape, "k_sys/v_sys must both be [S, Hkv, D]"
@@ -289,33 +260,6 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
         G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma, **tile.launch())
 
 
-def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype, tile: MergeTile,
-                   with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32.
-
-    tile: the plan's merge launch (planner.merge_tile): block_h heads a program (a power of
-    two), unroll splits whose loads are in flight together (the same bits for any value),
-    pdl: launched as a programmatic dependent of the kernel before it on the stream (sm_90,
-    relaycli.kernels.pdl), its programs placed as that kernel's last ones leave and waiting
-    for it in griddepcontrol.wait before any load (the same bits)."""
-    assert not tile.pdl or pdl_supported(o_part.device), "pdl needs an sm_90 or newer CUDA device"
-    assert tile.unroll >= 1, f"unroll must be at least 1, got {tile.unroll}"
-    assert tile.block_h >= 1 and tile.block_h & (tile.block_h - 1) == 0, f"block_h {tile.block_h}: a power of two"
-    splits, n, heads, d = o_part.shape
-    o = torch.empty(n, heads, d, dtype=out_dtype, device=o_part.device)
-    lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
-    if n == 0:
-        return o, lse
-    grid = (n, triton.cdiv(heads, tile.block_h))
-    _merge_kernel[grid](
-        o_part, lse_part, o, lse if with_lse else o, splits, heads,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,
-        D=d, BLOCK_H=tile.block_h, WRITE_LSE=with_lse, UNROLL=tile.unroll, WAIT=tile.pdl, num_warps=4,
-        **launch_options(tile.pdl))
-    return o, lse
-
-
 def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as relaycli.kernels.reference.system_attention.
@@ -339,4 +283,5 @@ def run_system(plan: AttentionPlan, q: torch.Tensor, k_sys: torch.Tensor, v_sys:
     o_part = torch.empty(plan.sys_splits, n, hq, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(plan.sys_splits, n, hq, dtype=torch.float32, device=q.device)
     system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, None, plan.sys_tile)
+    from relaycli.kernels.triton_merge import merge_partials
     return merge_partials(o_part, lse_part, q.dtype, plan.merge)

@@ -43,7 +43,8 @@ from relaycli.kernels.triton_ops import execute, relay_attention  # noqa: E402
 from relaycli.kernels.triton_paged_decode import group_prefixes, run_baseline  # noqa: E402
 from relaycli.kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
 from relaycli.kernels.triton_plan import split_plan, system_config  # noqa: E402
-from relaycli.kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
+from relaycli.kernels.triton_merge import merge_partials  # noqa: E402
+from relaycli.kernels.triton_system_attention import system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 from relaycli.bench.timing import cuda_median_us, l2_flusher, replayed  # noqa: E402

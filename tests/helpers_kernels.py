@@ -19,7 +19,8 @@ import torch
 
 from tests.helpers_attention import expected_output, random_problem
 
-KERNEL_MODULES = ["relaycli.kernels.triton_system_attention", "relaycli.kernels.triton_context_attention",
+KERNEL_MODULES = ["relaycli.kernels.triton_system_attention", "relaycli.kernels.triton_merge",
+                  "relaycli.kernels.triton_context_attention",
                   "relaycli.kernels.triton_grouped_system", "relaycli.kernels.triton_paged_decode",
                   "relaycli.kernels.triton_ops"]
 CUDA = torch.cuda.is_available()

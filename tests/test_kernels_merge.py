@@ -1,4 +1,4 @@
-"""The merge kernel (kernels/triton_system_attention.py merge_partials: split partials folded
+"""The merge kernel (kernels/triton_merge.py merge_partials: split partials folded
 by their log-sum-exps) against float64, and the planner's choice of its launch."""
 
 import pytest
@@ -11,7 +11,7 @@ interpret_on_cpu()
 from relaycli.kernels import planner  # noqa: E402
 from relaycli.kernels.pdl import pdl_supported  # noqa: E402
 from relaycli.kernels.tiles import MergeTile  # noqa: E402
-from relaycli.kernels.triton_system_attention import merge_partials  # noqa: E402
+from relaycli.kernels.triton_merge import merge_partials  # noqa: E402
 
 
 @pytest.mark.parametrize("splits", [1, 3, 4, 9])

@@ -85,7 +85,8 @@ def test_gpu_gluon_system_attention(dtype, tile, head_dim, monkeypatch):
     """The Hopper Gluon kernels (ws: the warp-specialised one): random GQA shapes, ragged and
     empty chunks, scattered rows, programs whose second warpgroup has no rows."""
     import relaycli.kernels.gluon_system_attention as gluon
-    from relaycli.kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
+    from relaycli.kernels.triton_merge import merge_partials
+    from relaycli.kernels.triton_system_attention import gluon_usable, system_attention_into
     probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
     if not gluon_usable(probe, probe, probe):
         pytest.skip("the Gluon kernel needs sm_90 and the Triton versions it was tested with")
@@ -125,7 +126,8 @@ def test_gpu_captured_system_attention_takes_the_gluon_kernel(monkeypatch):
     import relaycli.kernels.gluon_system_attention as gsa
     from relaycli.kernels.system_plan import resolve
     from relaycli.kernels.tiles import DECODE_TILE
-    from relaycli.kernels.triton_system_attention import gluon_usable, merge_partials, system_attention_into
+    from relaycli.kernels.triton_merge import merge_partials
+    from relaycli.kernels.triton_system_attention import gluon_usable, system_attention_into
     q = torch.randn(96, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if not gluon_usable(q, k, v):
