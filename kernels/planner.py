@@ -126,8 +126,14 @@ def fused_layout_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def plan_relay(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                groups: list) -> AttentionPlan:
-    """The plan of relay_attention for this step (groups: triton_paged_decode.group_prefixes')."""
-    return plan_relay_shape(step_shape(q, k_cache, meta, groups), fused_layout_ok(q, k_cache, v_cache, meta, groups))
+    """The plan of relay_attention for this step (groups: triton_paged_decode.group_prefixes'),
+    made once a step: every layer's call has the same sizes (kept in the step's metadata)."""
+    shape = step_shape(q, k_cache, meta, groups)
+    layout = fused_layout_ok(q, k_cache, v_cache, meta, groups)
+    key = ("relay plan", shape, layout)
+    if key not in meta._cache:
+        meta._cache[key] = plan_relay_shape(shape, layout)
+    return meta._cache[key]
 
 
 def plan_relay_shape(s: StepShape, fused_layout: bool = True) -> AttentionPlan:
@@ -158,13 +164,13 @@ def plan_relay_shape(s: StepShape, fused_layout: bool = True) -> AttentionPlan:
         system_first, sys_splits, sys_tile = plan_system_step(s, overlapped=graphed_decode)
         sys_tile = resolve(sys_tile, cuda and s.graphed)
     overlap = graphed_decode and sys_splits > 0
-    merge = merge_tile(s.num_rows, s.num_heads, s.head_dim, s.device)
     if not sys_splits and ctx_splits == 1:
         return AttentionPlan(CONTEXT, ctx_tiles=(context_tile(s, 1, read_ahead=True),))
     if ctx_splits == 1 and not overlap:
         return AttentionPlan(RELAY_EPILOGUE, sys_splits, sys_tile, 1, (context_tile(s, 1, read_ahead=True),))
     tiles = (context_tile(s, ctx_splits, read_ahead=True),)
     kind = RELAY_OVERLAP if overlap else RELAY_MERGE
+    merge = merge_tile(s.num_rows, s.num_heads, s.head_dim, s.device)
     return AttentionPlan(kind, sys_splits, sys_tile, ctx_splits, tiles, merge, system_first)
 
 
@@ -194,11 +200,17 @@ def plan_baseline(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadat
     a tile a paged launch (a prefix group's, then the rows without a prefix; a PrefixTable
     step: one launch over the prefix store)."""
     s = step_shape(q, k_cache, meta, groups)
-    table = meta.prefix_table
-    prefix_lens = [table.max_keys] if table is not None else [k.shape[0] for _, k, _ in groups]
+    key = ("baseline plan", s)
+    if key not in meta._cache:  # once a step: every layer's call has the same sizes
+        meta._cache[key] = _plan_baseline(s)
+    return meta._cache[key]
+
+
+def _plan_baseline(s: StepShape) -> AttentionPlan:
+    prefix_lens = [s.table_keys] if s.table_keys is not None else [keys for _, keys in s.groups]
     splits = context_splits(s, max(prefix_lens, default=0), read_ahead=False)
     tiles = tuple(context_tile(s, splits, False, keys) for keys in prefix_lens)
-    if table is None:
+    if s.table_keys is None:
         tiles += (context_tile(s, splits, False),)
     merge = merge_tile(s.num_rows, s.num_heads, s.head_dim, s.device) if splits > 1 else None
     return AttentionPlan(BASELINE, ctx_splits=splits, ctx_tiles=tiles, merge=merge)

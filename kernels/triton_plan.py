@@ -1,7 +1,8 @@
 """The planner's arithmetic: tile shapes and split-K counts of the Triton attention kernels.
 
 Plain arithmetic on shapes and device properties (no kernels here, no choice of path):
-kernels/planner.py calls it to fill in a plan's tiles and splits.
+kernels/planner.py calls it to fill in a plan's tiles and splits. It imports no Triton: the
+planner loads with the engine, before the CPU tests set TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import functools
 import math
 
 import torch
-import triton
 
 from relaycli.kernels.tiles import DECODE_TILE, FUSED_WIDE_TILE, WS_TILE, FusedTile, Tile, fit_smem
 
@@ -276,7 +276,7 @@ def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: i
     full-grid 32-key tile carries a register cap (maxnreg, a launch option), so more of its
     programs share an SM. Measured on the H200; docs/kernels.md has the numbers.
     """
-    block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
+    block_m = max(16, min(128 if device.type == "cuda" else 32, 1 << max(0, rows_per_seq - 1).bit_length()))
     ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
     if block_m >= 128:
         tile = Tile(block_m, 64, 8, 3, per_sm=1)

@@ -239,3 +239,13 @@ def test_overlapped_step_plans_the_system_kernel_at_one_program_an_sm_where_the_
 def test_default_impl_by_device():
     assert planner.default_impl(CPU) in ("cpu-flash", "torch")
     assert not planner.triton_available(CPU)
+
+
+def test_the_planner_loads_without_triton():
+    """The engine loads the planner (kernels/backend.py) before the CPU tests set
+    TRITON_INTERPRET: it must not import Triton, whose own helpers would then be compiled
+    functions that the interpreted kernels cannot call."""
+    import subprocess
+    import sys
+    code = "import sys, relaycli.kernels.backend, relaycli.engine.cuda_graph; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
