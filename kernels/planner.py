@@ -186,13 +186,14 @@ def context_splits(s: StepShape, extra_keys: int, read_ahead: bool) -> int:
     return tp.split_plan(keys, programs, s.device, tile.block_n, min_keys=512, per_sm=tile.per_sm)[0]
 
 
-def context_tile(s: StepShape, splits: int, read_ahead: bool, prefix_keys: int = 0) -> Tile:
+def context_tile(s: StepShape, splits: int, read_ahead: bool, prefix_keys: int | None = None) -> Tile:
     """The paged kernel's tile for chunks of (prefix_keys + own keys) / splits keys; a launch
-    with a prefix in front keeps neighbouring sequences on one head (they share it in L2)."""
-    keys = -(-(s.max_context_len + prefix_keys) // splits)
+    with a prefix in front (prefix_keys not None) keeps neighbouring sequences on one head
+    (they share the prefix in L2)."""
+    keys = -(-(s.max_context_len + (prefix_keys or 0)) // splits)
     tile = tp.paged_config(s.max_seqlen_q * (s.num_heads // s.num_kv_heads), s.head_dim, s.device, s.elem, keys,
                            s.num_seqs * s.num_kv_heads if read_ahead else None)
-    return tile.replace(heads_fast=not prefix_keys)
+    return tile.replace(heads_fast=prefix_keys is None)
 
 
 def plan_baseline(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, groups: list) -> AttentionPlan:
