@@ -9,27 +9,19 @@ PyTorch's fused CPU attention, kernels/cpu_flash.py) or "triton" (CUDA kernels).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import torch
 
-from relaycli.kernels import reference
+from relaycli.kernels import planner, reference
 from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes
+from relaycli.kernels.planner import AttentionPlan, default_impl, triton_available, triton_interpreted
+
+__all__ = ["ATTENTION_IMPLS", "ATTENTION_MODES", "PagedAttention", "TritonLayerOps", "default_impl", "layer_ops",
+           "triton_available", "triton_runs_on"]
 
 ATTENTION_MODES = ("relay", "no-relay")
 ATTENTION_IMPLS = ("torch", "cpu-flash", "triton")
-
-
-def default_impl(device: torch.device) -> str:
-    """The fastest implementation this device has."""
-    if triton_available(device):
-        return "triton"
-    if device.type == "cpu":
-        from relaycli.kernels import cpu_flash
-        if cpu_flash.is_available():
-            return "cpu-flash"
-    return "torch"
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -41,18 +33,7 @@ def triton_runs_on(device: torch.device) -> bool:
         import triton  # noqa: F401
     except Exception:
         return False
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-        from relaycli.kernels import triton_ops  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return triton_interpreted()
 
 
 class TritonLayerOps:
@@ -130,28 +111,29 @@ class PagedAttention:
         else:
             self._ops = reference
 
-    def graphed_decode_plan(self, num_seqs: int, num_heads: int, slot: int | None, context_tokens: int,
-                            max_context_len: int) -> tuple[int, str] | None:
-        """How relay's Triton decode step, captured in a CUDA graph, plans its system kernel
-        (relaycli.kernels.triton_ops.graphed_decode_plan) for num_seqs rows on prefix `slot` whose own
-        keys total context_tokens, none longer than max_context_len; None where no such plan
-        is made (no prefix, --no-relay, other impls)."""
-        if self.impl != "triton" or self.mode != "relay" or slot is None or not self.k_caches:
+    def graph_plan(self, num_seqs: int, num_heads: int, slot: int | None, context_tokens: int,
+                   max_context_len: int, mixed: bool = False) -> AttentionPlan | None:
+        """The plan (kernels/planner.py decode_graph_plan) of relay's Triton decode step captured
+        in a CUDA graph: num_seqs rows on prefix `slot`, or, mixed, on several prefixes through
+        a PrefixTable over the store; own keys totalling context_tokens, none longer than
+        max_context_len. None where the step has no such plan (no prefix, --no-relay, other
+        impls): it is then planned by its shapes alone, the same for every total."""
+        if self.impl != "triton" or self.mode != "relay" or (slot is None and not mixed) or not self.k_caches:
             return None
-        k_cache, k_sys = self.k_caches[0], self.prefix_layers[0][slot][0]
-        return self._ops.graphed_decode_plan(num_seqs, num_heads, k_cache.shape[2], k_cache.shape[3],
-                                             k_cache.element_size(), k_cache.device, k_sys.shape[0],
-                                             context_tokens, k_cache.shape[1], max_context_len)
+        k_cache, layer = self.k_caches[0], self.prefix_layers[0]
+        prefix_tokens = None if mixed else layer[slot][0].shape[0]
+        table_keys = max(k.shape[0] for k, _ in layer) if mixed else None
+        return planner.decode_graph_plan(num_seqs, num_heads, k_cache.shape[2], k_cache.shape[3],
+                                         k_cache.element_size(), k_cache.shape[1], k_cache.device, prefix_tokens,
+                                         table_keys, context_tokens, max_context_len)
 
-    def graphed_table_plan(self, num_seqs: int, num_heads: int, max_keys: int) -> tuple[int, str] | None:
-        """The plan of a captured decode step whose rows use several prefixes (a PrefixTable):
-        relay's grouped system kernel and its splits (relaycli.kernels.triton_plan.grouped_splits);
-        None where no plan is made (--no-relay, other impls)."""
-        if self.impl != "triton" or self.mode != "relay" or not self.k_caches:
+    def row_order(self, plan: AttentionPlan | None, own_lengths: list[int], num_heads: int) -> list[int] | None:
+        """The order a graphed step's rows run in under `plan` (planner.row_order), as indices
+        into own_lengths; None: as given."""
+        if not self.k_caches:
             return None
-        from relaycli.kernels.triton_plan import grouped_splits
         k_cache = self.k_caches[0]
-        return grouped_splits(num_seqs, num_heads, k_cache.shape[2], max_keys, k_cache.device), "grouped"
+        return planner.row_order(plan, own_lengths, num_heads // k_cache.shape[2], k_cache.shape[1])
 
     def attend_fn(self, meta: AttentionMetadata) -> Callable:
         """relaycli.models.llama.AttendFn for this step's metadata; it takes rope=(cos, sin, layer_ops).

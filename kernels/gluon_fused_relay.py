@@ -30,8 +30,9 @@ program (m, h, split) takes the own keys of the requests whose first query row i
 128, ceil(m*128/G) + i, i = split, split + num_splits, ..., so every request belongs to
 exactly one program for any G, also where G does not divide 128.
 
-The engine runs it for graphed decode steps where triton_plan.fused_decode_plan says it pays
-(kernels/triton_ops.py), on 64-key cache blocks, with triton_plan.fused_tile's prefix tile.
+kernels/planner.py plans it (relay-fused) for graphed decode steps where
+triton_plan.fused_decode_plan says it pays, on 64-key cache blocks, with triton_plan.fused_tile's
+prefix tile.
 Measured on the H200; docs/kernels.md has the numbers.
 """
 
@@ -46,16 +47,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from relaycli.kernels.gluon_own_keys import QN, _ctx_consumer, _ctx_producer, _q_slots
 from relaycli.kernels.gluon_system_attention import LOG2E, WS_PRODUCER_REGS, _ws_consumer, _ws_producer, _ws_ring
+from relaycli.kernels.tiles import FusedTile, MergeTile
 from relaycli.kernels.triton_plan import FUSED_CHUNK
-from relaycli.kernels.triton_system_attention import merge_partials
+from relaycli.kernels.triton_merge import merge_partials
 
 # Registers a thread: the program is 16 warps (the two TMA warps share a warpgroup), so the
-# launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get SYS_REGS (the
-# system kernel's consumers at ws_regs=128: 64-key tiles fit there without spills), the
-# own-key warpgroup CTX_REGS, the TMA warps 24: 8 x 176 + 4 x 136 + 4 x 24 = 2048.
+# launch's cap is 128 (16 x 128 x 32 = 64K); then the prefix consumers get FusedTile.sys_regs
+# (176 by default: the system kernel's consumers at a 128 cap, where 64-key tiles fit
+# without spills), the own-key warpgroup ctx_regs (136), the TMA warps 24:
+# 8 x 176 + 4 x 136 + 4 x 24 = 2048.
 LAUNCH_REGS = 128
-SYS_REGS = 176
-CTX_REGS = 136
 
 
 @gluon.jit(do_not_specialize=["n_queries", "keys_per_split", "num_splits", "stride_bt"])
@@ -64,7 +65,7 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
                   stride_qn, stride_qh, stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                   HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
-                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr, CTX_MODE: gl.constexpr):
+                  Q_SMEM: gl.constexpr, SYS_REGS_: gl.constexpr, CTX_REGS_: gl.constexpr):
     """grid (cdiv(n*G, 128), Hkv, num_splits); 4 warps (the first prefix consumer) + a second
     prefix consumer, the own-key warpgroup and two TMA warps."""
     pid_m = gl.program_id(0)
@@ -107,38 +108,35 @@ def _fused_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, q_desc, ctx_ptr, bt_p
                         G, D, BLOCK_N, STAGES, False, Q_SMEM, q1)),
         (_ctx_consumer, (cr, qc, pc, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
                          req_lo, h, split, num_splits, req_hi, qk_scale,
-                         stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, C, CTX_TILES, CTX_MODE)),
+                         stride_os, stride_on, stride_oh, stride_ls, stride_ln, G, D, C, CTX_TILES)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, num_tiles, col,
                         STAGES, BLOCK_N)),
         (_ctx_producer, (kc_desc, vc_desc, q_desc, cr, qc, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
-                         req_lo, h, split, num_splits, req_hi, HQ, G, D, C, CTX_TILES, CTX_MODE)),
+                         req_lo, h, split, num_splits, req_hi, HQ, G, D, C, CTX_TILES)),
     ], [4, 4, 1, 1], [SYS_REGS_, CTX_REGS_, 24, 24])  # 24: WS_PRODUCER_REGS, the TMA warps'
 
 
 def fused_relay_decode(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                       num_splits: int, merge_unroll: int | None = None, pdl_merge: bool = True, **tile):
+                       num_splits: int, tile: FusedTile, merge: MergeTile):
     """One decode step of relay attention, every request behind the one prefix: the fused
-    kernel's partials (fused_relay_partials, whose arguments these are), then merge_partials.
+    kernel's partials (fused_relay_partials, whose arguments these are), then merge_partials
+    with the plan's merge launch.
 
-    Returns o [N, Hq, D] in q's dtype, and the launched kernel.
-    merge_unroll: the merge kernel's partials in flight at once (the same bits for any).
-    pdl_merge: the merge launched as a programmatic dependent of the fused kernel, which
-    does not trigger it, so its programs are placed as the fused kernel's last ones leave
-    (merge_partials' pdl; the same bits). The fused kernel never triggers early: a trigger
-    at program start would let the merge's programs take SM slots while the fused kernel's
-    are still being placed. Measured on the H200; docs/kernels.md has the numbers.
+    Returns o [N, Hq, D] in q's dtype, and the launched kernel. The plan's merge is a
+    programmatic dependent of the fused kernel, which does not trigger it, so its programs
+    are placed as the fused kernel's last ones leave (the same bits). The fused kernel never
+    triggers early: a trigger at program start would let the merge's programs take SM slots
+    while the fused kernel's are still being placed. docs/kernels.md has the measurements.
     """
     o_part, lse_part, kernel = fused_relay_partials(q, k_sys, v_sys, k_cache, v_cache, block_tables, context_lens,
-                                                    scale, num_splits, **tile)
-    return merge_partials(o_part, lse_part, q.dtype, with_lse=False, unroll=merge_unroll, pdl=pdl_merge)[0], kernel
+                                                    scale, num_splits, tile)
+    return merge_partials(o_part, lse_part, q.dtype, merge, with_lse=False)[0], kernel
 
 
 def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         num_splits: int, block_n: int = 64, stages: int = 3, ctx_tiles: int = 4,
-                         launch_regs: int = LAUNCH_REGS, sys_regs: int = SYS_REGS, ctx_regs: int = CTX_REGS,
-                         ctx_mode: int = 0, q_smem: bool = False):
+                         num_splits: int, tile: FusedTile):
     """The fused kernel alone: the partials of one decode step, unmerged.
 
     q [N, Hq, D] contiguous; k_sys/v_sys [S, Hkv, D] contiguous; k_cache/v_cache
@@ -147,21 +145,22 @@ def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tens
     partial is then empty and whose table's first block is still read). Returns the fp32
     partials o [num_splits + 1, N, Hq, D] and lse [num_splits + 1, N, Hq] (the own keys' last),
     and the launched kernel.
-    ctx_mode: 0 the own keys in their warpgroup, 2 none (timing only: the result lacks them).
-    ctx_tiles: slots of the own-key ring, a [64, D] K or V tile each (2 or more).
-    q_smem: the prefix consumers hold Q in shared memory, not registers (for block_n 128).
+    tile: block_n-key prefix tiles in `stages` slots; ctx_tiles slots of the own-key ring, a
+    [64, D] K or V tile each (2 or more); q_smem: the prefix consumers hold Q in shared
+    memory, not registers (for block_n 128); sys_regs, ctx_regs: the roles' registers.
     """
     n, hq, d = q.shape
     s_len, hkv, _ = k_sys.shape
     nb, c, _, _ = k_cache.shape
     g = hq // hkv
+    block_n, stages, ctx_tiles = tile.block_n, tile.stages, tile.ctx_tiles
     assert q.is_contiguous() and k_sys.is_contiguous() and v_sys.is_contiguous(), "contiguous q and system KV"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and c == FUSED_CHUNK and 1 <= g <= QN.value
-    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and ctx_mode in (0, 2)
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_n in (64, 128) and stages >= 1 and ctx_tiles >= 2, "tiles and ring depths"
     assert block_tables.stride(1) == 1 and block_tables.shape[0] == n and context_lens.shape == (n,)
-    assert 16 * launch_regs * 32 <= 65536 and 8 * sys_regs + 4 * ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * launch_regs, \
+    assert 8 * tile.sys_regs + 4 * tile.ctx_regs + 4 * WS_PRODUCER_REGS <= 16 * LAUNCH_REGS, \
         "the partitions' registers exceed the launch's"
     elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     sys_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], elem)
@@ -183,6 +182,6 @@ def fused_relay_partials(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tens
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         HQ=hq, G=g, D=d, BLOCK_N=block_n, STAGES=stages, C=c, CTX_TILES=ctx_tiles,
-        Q_SMEM=q_smem, SYS_REGS_=sys_regs, CTX_REGS_=ctx_regs, CTX_MODE=ctx_mode, num_warps=4,
-        maxnreg=launch_regs)
+        Q_SMEM=tile.q_smem, SYS_REGS_=tile.sys_regs, CTX_REGS_=tile.ctx_regs, num_warps=4,
+        maxnreg=LAUNCH_REGS)
     return o_part, lse_part, kernel

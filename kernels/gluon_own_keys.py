@@ -48,12 +48,10 @@ def _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C: gl.constexpr, 
 
 @gluon.jit
 def _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G: gl.constexpr, C: gl.constexpr,
-                  WARPS: gl.constexpr, CTX_MODE: gl.constexpr):
+                  WARPS: gl.constexpr):
     """What both own-key roles walk: (items, chunks, the first item's length, the second's)."""
     n_items = _num_items(req_base, req_end, split, num_splits, (128 + G - 1) // G)
     total = _num_chunks(ctx_ptr, req_base, split, num_splits, n_items, C, (128 + G - 1) // G, WARPS)
-    if CTX_MODE == 2:  # timing only: no own keys (the result is incomplete)
-        total = 0
     return (n_items, total, gl.load(ctx_ptr + req_base + split, mask=n_items > 0, other=0),
             gl.load(ctx_ptr + req_base + split + num_splits, mask=n_items > 1, other=0))
 
@@ -89,8 +87,7 @@ def _q_slots(ctx_tiles):
 def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, lse_ptr,
                   req_base, h, split, num_splits, req_end, qk_scale,
                   stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                  G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
-                  CTX_MODE: gl.constexpr):
+                  G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr):
     """The own-key warpgroup: every chunk of the program's items, in order. The ring holds
     [C, D] tiles in the order they are used, K_0, V_0, K_1, V_1, ...: tile t in slot
     t % CTX_TILES, free again once the wgmma that reads it is done, so a chunk's K slot takes
@@ -99,7 +96,7 @@ def _ctx_consumer(cr_smem, qc_smem, pc_smem, c_ready, c_empty, ctx_ptr, o_ptr, l
     st_layout: gl.constexpr = _acc_layout(QN, 4)  # [C, 8] and [D, 8] accumulators, one warpgroup
     col_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
-    n_items, total, it_len, nx_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 4, CTX_MODE)
+    n_items, total, it_len, nx_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 4)
     it_k = n_items * 0
     it_c = n_items * 0
     m_c = gl.full([QN], -1.0e30, gl.float32, layout=col_l)
@@ -180,12 +177,11 @@ def _own_pv(cr_smem, p_smem, c_ready, c_empty, c, o_c, CTX_TILES: gl.constexpr):
 @gluon.jit
 def _ctx_producer(kc_desc, vc_desc, q_desc, cr_smem, qc_smem, c_ready, c_empty, ctx_ptr, bt_ptr, stride_bt,
                   req_base, h, split, num_splits, req_end,
-                  HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr,
-                  CTX_MODE: gl.constexpr):
+                  HQ: gl.constexpr, G: gl.constexpr, D: gl.constexpr, C: gl.constexpr, CTX_TILES: gl.constexpr):
     """The own-key TMA warp: chunk c's K and V block and Q rows as soon as its slot is free.
     The next chunk's cache block is read one chunk ahead, so no load latency sits in front
     of a TMA."""
-    n_items, total, it_len, nx_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 1, CTX_MODE)
+    n_items, total, it_len, nx_len = _ctx_schedule(ctx_ptr, req_base, split, num_splits, req_end, G, C, 1)
     it_k = n_items * 0
     it_c = n_items * 0
     blk = gl.load(bt_ptr + (req_base + split) * stride_bt, mask=n_items > 0, other=0)

@@ -15,7 +15,7 @@ which allows the schedule FlashAttention-3 calls intra-warpgroup pipelining:
 K and V tiles arrive by TMA into a ring of STAGES slots, each with its own mbarrier; a
 slot is refilled as soon as the wgmma that read it has completed.
 
-WS=True is the warp-specialised program for full batches (triton_plan.WS_TILE): two such
+WS=True is the warp-specialised program for full batches (tiles.WS_TILE): two such
 consumer warpgroups of 64 rows share every K/V tile, and a producer warp issues the TMA.
 Both programs run one body, `_attend`.
 """
@@ -337,12 +337,11 @@ def gluon_ok(q: torch.Tensor, kv: torch.Tensor) -> bool:
 def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
                                 o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
                                 num_splits: int, block_m: int = 64, block_n: int = 64, stages: int = 3,
-                                ws: bool = False, ws_regs: int = WS_REGS):
+                                ws: bool = False):
     """q [N, Hq, D]; k_sys/v_sys [S, Hkv, D] contiguous; o_part [splits, N, Hq, D]; lse_part [splits, N, Hq].
 
-    ws: the warp-specialised kernel (block_m 128: two consumer warpgroups and a TMA warp).
-    ws_regs: its launch's register cap a thread; at the default it claims a whole SM's
-    register file, lower caps leave room for other kernels' programs beside it.
+    ws: the warp-specialised kernel (block_m 128: two consumer warpgroups and a TMA warp),
+    its launch capped at WS_REGS registers a thread: it claims a whole SM's register file.
     Returns the launched kernel (its n_regs and n_spills tell whether the cap holds).
     The caller (system_attention_into) has checked shapes; this checks what only the Gluon
     kernels need.
@@ -364,8 +363,8 @@ def gluon_system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: tor
             q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1))
     # the warp-specialised program's register split needs the launch capped (12 warps)
-    extra = dict(maxnreg=ws_regs) if ws else {}
+    extra = dict(maxnreg=WS_REGS) if ws else {}
     return _gluon_system_kernel[grid](*args, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                                       HAS_ROWS=rows is not None, WS=ws,
-                                      CONSUMER_REGS=ws_consumer_regs(ws_regs), num_warps=4 if ws else block_m // 16,
+                                      CONSUMER_REGS=ws_consumer_regs(WS_REGS), num_warps=4 if ws else block_m // 16,
                                       **extra)

@@ -37,8 +37,7 @@ class PrefixTable:
     row_group: torch.Tensor
     groups: torch.Tensor
     num_groups: int  # entries the table has room for (a graph's bound), not the groups in use
-    max_keys: int  # the longest prefix loaded: what split plans price
-    num_splits: int  # relay's system step: its split count, planned for max_keys
+    max_keys: int  # the longest prefix loaded: what split plans price (kernels/planner.py)
 
 
 class LayerPrefixes(list):
@@ -112,7 +111,7 @@ class AttentionMetadata:
     block_size: int
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
     # own keys of the real rows, summed on the host: what a decode step's split and tile plan
-    # prices (relaycli.kernels.triton_ops.context_tokens). None: num_seqs x max_context_len. A decode
+    # prices (relaycli.kernels.planner.context_tokens). None: num_seqs x max_context_len. A decode
     # graph sets its key's representative total (relaycli.engine.cuda_graph).
     context_tokens: int | None = None
     # several prefixes in one step, as device data (decode graphs); prefix_groups is then empty

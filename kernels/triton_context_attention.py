@@ -17,14 +17,13 @@ step's partials (w = sigmoid(lse_sys - lse_ctx), per split) and writes the final
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from relaycli.kernels.metadata import AttentionMetadata, PrefixTable
-from relaycli.kernels.triton_plan import fit_smem, num_sms, split_plan
+from relaycli.kernels.planner import plan_context
+from relaycli.kernels.tiles import Tile
 from relaycli.kernels.triton_system_attention import LOG2E, _dense_loop, _finish, _merge_splits, _online_block
 
 
@@ -212,63 +211,13 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
         assert t.stride(-1) == 1, f"{name} needs a unit last stride"
 
 
-# The full-grid 32-key decode tile's register cap: uncapped it takes 165 registers a thread,
-# six programs an SM; at 128, eight. Measured on the H200 (lower caps gain nothing more);
-# docs/kernels.md has the numbers.
-MAX_REGISTERS_SHORT_TILE = 128
-# Decode key ranges up to this many keys take the 32-key tile (a graph plans for its context
-# bucket, the next of 256, 1024, 4096 above the longest own context).
-SHORT_TILE_KEYS = 512
-
-
-def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2,
-                 keys: int = 1 << 30, num_programs: int | None = None,
-                 short_keys: int = SHORT_TILE_KEYS) -> dict:
-    """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM.
-
-    A decode program over few keys (relay's own keys) is latency-bound: 32-key tiles and
-    2 warps let more programs share an SM. Long key ranges (the baseline) stream best with
-    64-key tiles and 4 warps.
-
-    num_programs: sequences x KV heads of the launch, before any split (None: as many as
-    fill the chip). At most two of them per multiprocessor is a job's tail: no other
-    programs hide a tile's load, so the decode tiles read their block ids a tile ahead
-    (bt_ahead) and keep the next K/V tile in flight at 3 stages. Fuller grids keep 2
-    stages: read-ahead takes the 64-key tile from 38 to 70 KiB of shared memory, three
-    programs an SM instead of four (per_sm, which the split plan uses), and there other
-    programs hide the latency anyway. Relay's context step passes num_programs
-    (paged_attention's read_ahead); the baseline's launches pass None. On CUDA the
-    full-grid 32-key tile carries a register cap (maxnreg, a launch option), so more of its
-    programs share an SM. Measured on the H200; docs/kernels.md has the numbers.
-    short_keys: key ranges up to this take the 32-key tile.
-    """
-    block_m = max(16, min(128 if device.type == "cuda" else 32, triton.next_power_of_2(rows_per_seq)))
-    ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
-    if block_m >= 128:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8, num_stages=3, per_sm=1)
-    elif block_m <= 16 and keys <= short_keys:  # six programs an SM uncapped, with or without read-ahead
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=2, num_stages=3 if ahead else 2, per_sm=4)
-        if device.type == "cuda" and not ahead:
-            # 165 registers a thread bind this tile to six programs an SM; capped at 128
-            # eight fit, and a full grid of short contexts keeps more loads in flight
-            cfg["maxnreg"] = MAX_REGISTERS_SHORT_TILE
-    elif ahead:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=3)
-    else:
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2, per_sm=4)
-    if ahead:
-        cfg["bt_ahead"] = True
-    return fit_smem(cfg, head_dim, elem)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, out: torch.Tensor, lse: torch.Tensor | None = None, split_base: int = 0,
                     num_splits: int = 1,
                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                     seq_group: torch.Tensor | None = None, group_id: int = 0,
                     prefix_table: PrefixTable | None = None,
-                    sys_part: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    config: dict | None = None, read_ahead: bool = False) -> None:
+                    sys_part: tuple[torch.Tensor, torch.Tensor] | None = None, tile: Tile) -> None:
     """Launch the paged kernel. Results go to out[split_base + s] (out is [splits, N, Hq, D]).
 
     prefix: (k [S, Hkv, D], v) in front of the own keys; seq_group [B] int32: only sequences
@@ -277,9 +226,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the epilogue (only with num_splits == 1); lse [splits, N, Hq] fp32 or None. num_splits:
     each sequence's keys are cut into that many chunks of whole key tiles, chunk s of
     cdiv(cdiv(keys, num_splits), BLOCK_N) * BLOCK_N keys starting at s times that (the
-    last ones may be short or empty: (0, -inf)). read_ahead: without a config, let
-    paged_config pick read-ahead tiles for a small grid (relay's context step; pass the
-    same to context_splits).
+    last ones may be short or empty: (0, -inf)). tile: the plan's (kernels/planner.py).
     """
     check_paged(q, k_cache, v_cache, meta)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -305,15 +252,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert prefix_table is None or (prefix is not None and seq_group is None), "a prefix table reads the store"
     if meta.num_seqs == 0 or q.shape[0] == 0:
         return
-    prefix_keys = 0 if prefix is None else prefix_table.max_keys if prefix_table is not None else prefix[0].shape[0]
-    keys = -(-(meta.max_context_len + prefix_keys) // num_splits)
-    cfg = dict(config or paged_config(meta.max_seqlen_q * group, d, q.device, q.element_size(), keys,
-                                      meta.num_seqs * hkv if read_ahead else None))
-    cfg.pop("per_sm", None)
-    heads_fast = cfg.pop("heads_fast", prefix is None)
-    bt_ahead = cfg.pop("bt_ahead", False)
-    m_tiles = triton.cdiv(meta.max_seqlen_q * group, cfg["BLOCK_M"])
-    grid = (hkv * num_splits, meta.num_seqs, m_tiles) if heads_fast else (m_tiles, meta.num_seqs, hkv * num_splits)
+    m_tiles = triton.cdiv(meta.max_seqlen_q * group, tile.block_m)
+    grid = (hkv * num_splits, meta.num_seqs, m_tiles) if tile.heads_fast else (m_tiles, meta.num_seqs, hkv * num_splits)
     kp, vp = prefix if prefix is not None else (k_cache, v_cache)
     so, sl = sys_part if sys_part is not None else (out, out)
     lse_t = lse if lse is not None else out
@@ -334,39 +274,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         sl.stride(0) if sys_part is not None else 0, sl.stride(1) if sys_part is not None else 0,
         G=group, D=d, PAGE=meta.block_size, HAS_PREFIX=prefix is not None, FILTER=seq_group is not None,
         TABLE=prefix_table is not None,
-        HEADS_FAST=heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
-        IEEE=q.dtype == torch.float32, BT_AHEAD=bt_ahead, **cfg)
+        HEADS_FAST=tile.heads_fast, HAS_SYS=sys_part is not None, SYS_UNROLL=4, WRITE_LSE=lse is not None,
+        IEEE=q.dtype == torch.float32, BT_AHEAD=tile.bt_ahead, **tile.launch())
 
 
 def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, o_sys: torch.Tensor | None = None, lse_sys: torch.Tensor | None = None,
-                      config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, o_sys: torch.Tensor | None = None, lse_sys: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as relaycli.kernels.reference.context_attention, plus the optional relay fusion.
 
     q [N, Hq, D], caches [num_blocks, block_size, Hkv, D] -> o [N, Hq, D], lse [N, Hq] fp32.
     With o_sys [N, Hq, D] or [splits, N, Hq, D] and lse_sys [N, Hq] or [splits, N, Hq]
     (-inf where a row has no prefix), o is the merged result and lse that of S u C.
+    The launch's tile is kernels/planner.py's (plan_context).
     """
     assert (o_sys is None) == (lse_sys is None), "pass o_sys and lse_sys together"
+    check_paged(q, k_cache, v_cache, meta)
     sys_part = None
     if o_sys is not None:
         sys_part = (o_sys[None], lse_sys[None]) if o_sys.dim() == 3 else (o_sys, lse_sys)
     out = torch.empty((1,) + tuple(q.shape), dtype=q.dtype, device=q.device)
     lse = torch.empty((1,) + tuple(q.shape[:2]), dtype=torch.float32, device=q.device)
-    paged_attention(q, k_cache, v_cache, meta, scale, out=out, lse=lse, sys_part=sys_part, config=config)
+    tile, = plan_context(q, k_cache, meta).ctx_tiles
+    paged_attention(q, k_cache, v_cache, meta, scale, out=out, lse=lse, sys_part=sys_part, tile=tile)
     return out[0], lse[0]
-
-
-def context_splits(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int, extra_keys: int = 0,
-                   num_splits: int | None = None, config: dict | None = None, read_ahead: bool = False) -> int:
-    """How many chunks to cut each sequence's (extra_keys + own keys) into, for sequences
-    too few to fill the chip; planned for the longest, meta.max_context_len. read_ahead:
-    as the paged_attention launch it plans for."""
-    group = q.shape[1] // num_kv_heads
-    device = q.device
-    grid = meta.num_seqs * num_kv_heads
-    cfg = config or paged_config(meta.max_seqlen_q * group, q.shape[2], device, q.element_size(),
-                                 extra_keys + meta.max_context_len, grid if read_ahead else None)
-    programs = grid * math.ceil(meta.max_seqlen_q * group / cfg["BLOCK_M"])
-    return split_plan(extra_keys + meta.max_context_len, programs, device, cfg["BLOCK_N"], num_splits,
-                      min_keys=512, per_sm=cfg.get("per_sm", 1))[0]

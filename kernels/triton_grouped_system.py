@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from relaycli.kernels.metadata import PrefixTable
-from relaycli.kernels.triton_plan import grouped_config
+from relaycli.kernels.tiles import Tile
 from relaycli.kernels.triton_system_attention import LOG2E, _finish, _online_block, check_prefix
 
 
@@ -79,14 +79,15 @@ def _grouped_system_kernel(q_ptr, k_ptr, v_ptr, row_group_ptr, groups_ptr, o_ptr
 
 def grouped_system_attention_into(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
                                   table: PrefixTable, scale: float, o_part: torch.Tensor,
-                                  lse_part: torch.Tensor, config: dict | None = None) -> None:
+                                  lse_part: torch.Tensor, tile: Tile) -> None:
     """Write each row's split-s result against its own group's prefix into o_part[s, row],
     lse_part[s, row] for every split s (o_part.shape[0] of them); (0, -inf) for a row
     without a prefix and for an empty split.
 
     q [N, Hq, D] (one query a row: a decode step); k_store/v_store [S_total, Hkv, D];
     table.row_group [N] int32, table.groups [num_groups + 1, 4] int32 on q's device;
-    o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32."""
+    o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32; tile: the
+    plan's (kernels/planner.py, triton_plan.grouped_config)."""
     check_prefix(q, k_store, v_store)
     n, hq, d = q.shape
     hkv = k_store.shape[1]
@@ -98,12 +99,10 @@ def grouped_system_attention_into(q: torch.Tensor, k_store: torch.Tensor, v_stor
     assert o_part.stride(-1) == 1 and lse_part.stride(-1) == 1 and lse_part.dtype == torch.float32
     if n == 0:
         return
-    cfg = dict(config or grouped_config(q.device))
-    cfg.pop("per_sm", None)
-    grid = (triton.cdiv(n * (hq // hkv), cfg["BLOCK_M"]), hkv, o_part.shape[0])
+    grid = (triton.cdiv(n * (hq // hkv), tile.block_m), hkv, o_part.shape[0])
     _grouped_system_kernel[grid](
         q, k_store, v_store, table.row_group, table.groups, o_part, lse_part,
         n, table.num_groups, scale * LOG2E,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        G=hq // hkv, D=d, IEEE=q.dtype == torch.float32, **cfg)
+        G=hq // hkv, D=d, IEEE=q.dtype == torch.float32, **tile.launch())

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from relaycli.kernels.metadata import AttentionMetadata
-from relaycli.kernels.triton_context_attention import check_paged, context_splits, paged_attention
-from relaycli.kernels.triton_system_attention import merge_partials
+from relaycli.kernels.planner import AttentionPlan, plan_baseline
+from relaycli.kernels.triton_context_attention import check_paged, paged_attention
+from relaycli.kernels.triton_merge import merge_partials
 
 
 def group_prefixes(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -49,40 +50,45 @@ def sequence_groups(meta: AttentionMetadata, groups) -> tuple[torch.Tensor | Non
 
 
 def prefix_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                           prefixes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
     """Same contract as relaycli.kernels.reference.prefix_paged_attention.
 
     q [N, Hq, D]; caches [num_blocks, block_size, Hkv, D]; prefixes[slot] = (k, v) [S, Hkv, D].
-    Returns o [N, Hq, D] in q's dtype. num_splits forces the split-K factor (tests, tuning).
+    Returns o [N, Hq, D] in q's dtype, as kernels/planner.py's BASELINE plan says.
     """
     check_paged(q, k_cache, v_cache, meta)
-    hkv = k_cache.shape[2]
-    table = meta.prefix_table
-    if table is not None:  # several prefixes as device data: one launch reads each row's from the store
-        assert prefixes.store is not None, "a prefix table needs the prefixes in one store"
-        splits = context_splits(meta, q, hkv, table.max_keys, num_splits, config)
-        out = torch.empty((splits,) + tuple(q.shape), dtype=q.dtype if splits == 1 else torch.float32,
-                          device=q.device)
-        lse = None if splits == 1 else torch.empty((splits,) + tuple(q.shape[:2]), dtype=torch.float32,
-                                                   device=q.device)
-        paged_attention(q, k_cache, v_cache, meta, scale, out=out, lse=lse, num_splits=splits,
-                        prefix=prefixes.store, prefix_table=table, config=config)
-        return out[0] if splits == 1 else merge_partials(out, lse, q.dtype, with_lse=False)[0]
-    groups = group_prefixes(meta, prefixes)
-    longest = max((k.shape[0] for _, k, _ in groups), default=0)
-    splits = context_splits(meta, q, hkv, longest, num_splits, config)
+    groups = group_prefixes(meta, prefixes) if meta.prefix_table is None else []
+    return run_baseline(plan_baseline(q, k_cache, meta, groups), q, k_cache, v_cache, meta, prefixes, scale)
+
+
+def run_baseline(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]],
+                 scale: float) -> torch.Tensor:
+    """The baseline as a BASELINE plan says: its split count, a tile a launch (each prefix
+    group's, then the rows without a prefix; a PrefixTable step: one launch reading each row's
+    prefix range of the store), then the merge where split."""
+    check_paged(q, k_cache, v_cache, meta)
+    splits = plan.ctx_splits
     if splits == 1:
         out, lse = torch.empty((1,) + tuple(q.shape), dtype=q.dtype, device=q.device), None
     else:
         out = torch.empty((splits,) + tuple(q.shape), dtype=torch.float32, device=q.device)
         lse = torch.empty((splits,) + tuple(q.shape[:2]), dtype=torch.float32, device=q.device)
-    seq_group, rest = sequence_groups(meta, groups)
-    common = dict(out=out, lse=lse, num_splits=splits, seq_group=seq_group, config=config)
-    for gid, (_, k_sys, v_sys) in enumerate(groups):
-        paged_attention(q, k_cache, v_cache, meta, scale, prefix=(k_sys, v_sys), group_id=gid, **common)
-    if rest:
-        paged_attention(q, k_cache, v_cache, meta, scale, group_id=len(groups), **common)
+    table = meta.prefix_table
+    if table is not None:  # several prefixes as device data: one launch reads each row's from the store
+        assert prefixes.store is not None, "a prefix table needs the prefixes in one store"
+        paged_attention(q, k_cache, v_cache, meta, scale, out=out, lse=lse, num_splits=splits,
+                        prefix=prefixes.store, prefix_table=table, tile=plan.ctx_tiles[0])
+    else:
+        groups = group_prefixes(meta, prefixes)
+        seq_group, rest = sequence_groups(meta, groups)
+        common = dict(out=out, lse=lse, num_splits=splits, seq_group=seq_group)
+        for gid, (_, k_sys, v_sys) in enumerate(groups):
+            paged_attention(q, k_cache, v_cache, meta, scale, prefix=(k_sys, v_sys), group_id=gid,
+                            tile=plan.ctx_tiles[gid], **common)
+        if rest:
+            paged_attention(q, k_cache, v_cache, meta, scale, group_id=len(groups), tile=plan.ctx_tiles[-1],
+                            **common)
     if splits == 1:
         return out[0]
-    return merge_partials(out, lse, q.dtype, with_lse=False)[0]
+    return merge_partials(out, lse, q.dtype, plan.merge, with_lse=False)[0]

@@ -1,7 +1,8 @@
-"""Launch plans of the Triton attention kernels: tile shapes and split-K counts.
+"""The planner's arithmetic: tile shapes and split-K counts of the Triton attention kernels.
 
-Plain arithmetic on shapes and device properties (no kernels here), shared by the
-system, context and baseline launchers and by the scripts that sweep them.
+Plain arithmetic on shapes and device properties (no kernels here, no choice of path):
+kernels/planner.py calls it to fill in a plan's tiles and splits. It imports no Triton: the
+planner loads with the engine, before the CPU tests set TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import functools
 import math
 
 import torch
+
+from relaycli.kernels.tiles import DECODE_TILE, FUSED_WIDE_TILE, WS_TILE, FusedTile, Tile, fit_smem
 
 
 def num_sms(device: torch.device) -> int:
@@ -20,7 +23,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
-               num_splits: int | None = None, min_keys: int = 256, per_sm: int = 1) -> tuple[int, int]:
+               min_keys: int = 256, per_sm: int = 1) -> tuple[int, int]:
     """(num_splits, keys_per_split) for `programs` independent tiles over num_keys keys.
 
     Time is modelled as waves * keys per program, waves = ceil(programs * splits / slots)
@@ -30,13 +33,12 @@ def split_plan(num_keys: int, programs: int, device: torch.device, block_n: int,
     each distinct count is another compiled kernel, and a job's prefill steps (all
     sizes) would otherwise compile new variants while it runs.
     """
-    if num_splits is None:
-        slots = num_sms(device) * per_sm
-        most = max(1, num_keys // min_keys) if programs < slots else 1
-        candidates = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
-        cost = [(math.ceil(programs * s / slots) * math.ceil(num_keys / s / block_n) * block_n + 64 * s, s)
-                for s in candidates]
-        num_splits = min(cost)[1]
+    slots = num_sms(device) * per_sm
+    most = max(1, num_keys // min_keys) if programs < slots else 1
+    candidates = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
+    cost = [(math.ceil(programs * s / slots) * math.ceil(num_keys / s / block_n) * block_n + 64 * s, s)
+            for s in candidates]
+    num_splits = min(cost)[1]
     num_splits = max(1, min(num_splits, max(num_keys, 1)))
     per = math.ceil(max(num_keys, 1) / num_splits)
     per = math.ceil(per / block_n) * block_n
@@ -79,20 +81,6 @@ def matrix_bound(flops: float, num_bytes: float) -> bool:
     return flops / RIDGE_FLOPS_PER_BYTE > num_bytes
 
 
-def fit_smem(cfg: dict, head_dim: int, elem: int, budget: int = 180 * 1024) -> dict:
-    """Shrink BLOCK_N, then the pipeline depth, until Q + stages * (K + V) tiles fit shared memory."""
-    cfg = dict(cfg)
-
-    def need() -> int:
-        return (cfg["BLOCK_M"] + cfg["num_stages"] * 2 * cfg["BLOCK_N"]) * head_dim * elem
-
-    while need() > budget and cfg["BLOCK_N"] > 16:
-        cfg["BLOCK_N"] //= 2
-    while need() > budget and cfg["num_stages"] > 1:
-        cfg["num_stages"] -= 1
-    return cfg
-
-
 def merge_unroll(programs: int, device: torch.device) -> int:
     """Splits the merge kernel loads at once (the bits are the same for any count).
 
@@ -126,13 +114,6 @@ def merge_block_h(num_rows: int, num_heads: int, head_dim: int, device: torch.de
 
 
 PREFILL_ROWS = 4096  # from here on the problem is prefill-sized: large tiles pay
-# Decode-sized system tiles on the GPU. DECODE_TILE: 64 query rows (one warpgroup of wgmma),
-# 64-key tiles, 3 stages, two programs an SM. WS_TILE: the warp-specialised Gluon kernel,
-# 128 rows in two consumer warpgroups beside a TMA warp, 128-key tiles, 2 stages, one
-# program an SM (it claims the whole register file). tma/gluon/ws None: taken only in a
-# CUDA graph's steps (AttentionMetadata.graphed), whose TMA descriptors are built once.
-DECODE_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2, tma=None, gluon=None)
-WS_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, per_sm=1, tma=None, gluon=None, ws=None)
 
 
 def ws_pays(rows: int, kv_heads: int, sms: int) -> bool:
@@ -140,14 +121,14 @@ def ws_pays(rows: int, kv_heads: int, sms: int) -> bool:
     ceil(rows / 128) x kv_heads programs, covers at least a quarter of the SMs; a smaller
     grid does not earn back the warp-specialised program's larger start-up cost. Measured
     on the H200; docs/kernels.md has the numbers."""
-    return 4 * -(-rows // WS_TILE["BLOCK_M"]) * kv_heads >= sms
+    return 4 * -(-rows // WS_TILE.block_m) * kv_heads >= sms
 
 
-def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2, kv_heads: int = 1) -> dict:
+def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2, kv_heads: int = 1) -> Tile:
     """Tile shape for a [rows, D] x [S, D]^T problem (rows: the queries of one KV head, x G).
 
     On the GPU, decode-sized: DECODE_TILE (64 rows, K/V fetched by TMA), or on Hopper
-    WS_TILE where ws_pays; gluon=None runs it in a CUDA graph's steps as
+    WS_TILE where ws_pays; gluon None runs it in a CUDA graph's steps as
     kernels/gluon_system_attention.py (the softmax beside the tensor cores). Prefill-sized
     (PREFILL_ROWS rows or more): 128 x 128 tiles, 8 warps, 3 stages, TMA even eagerly (a
     descriptor is cheap next to a kernel of milliseconds). That tile needs about 224 KiB of
@@ -156,31 +137,31 @@ def system_config(rows: int, head_dim: int, device: torch.device, elem: int = 2,
     """
     if device.type == "cuda":
         if rows >= PREFILL_ROWS:
-            cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, per_sm=1, tma=True)
-            return fit_smem(cfg, head_dim, elem, smem_per_block(device))
-        cfg = dict(WS_TILE if is_sm90(device) and ws_pays(rows, kv_heads, num_sms(device)) else DECODE_TILE)
+            tile = Tile(128, 128, 8, 3, per_sm=1, tma=True)
+            return fit_smem(tile, head_dim, elem, smem_per_block(device))
+        tile = WS_TILE if is_sm90(device) and ws_pays(rows, kv_heads, num_sms(device)) else DECODE_TILE
     else:  # the interpreter: small tiles keep the split and tail paths busy
         block_m = 64 if rows > 32 else 32 if rows > 16 else 16
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, per_sm=2)
-    return fit_smem(cfg, head_dim, elem)
+        tile = Tile(block_m, 64, 4, 3, per_sm=2)
+    return fit_smem(tile, head_dim, elem)
 
 
-def grouped_config(device: torch.device) -> dict:
+def grouped_config(device: torch.device) -> Tile:
     """The grouped system kernel's tile (kernels/triton_grouped_system.py): decode-sized on
     the GPU (64 query rows, 64-key tiles); small under the interpreter, so that the tests'
     tiles straddle groups."""
     if device.type == "cuda":
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, per_sm=2)
-    return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, per_sm=2)
+        return Tile(64, 64, 4, 2, per_sm=2)
+    return Tile(16, 32, 4, 1, per_sm=2)
 
 
 def grouped_splits(num_rows: int, num_heads: int, num_kv_heads: int, max_keys: int, device: torch.device) -> int:
     """The grouped system kernel's split count for num_rows rows of a step whose longest
     prefix has max_keys keys: split_plan over its row tiles, as for one prefix of that length
     (a step's rows split among groups give it as many tiles, and each reads its group's keys)."""
-    cfg = grouped_config(device)
-    programs = -(-num_rows * (num_heads // num_kv_heads) // cfg["BLOCK_M"]) * num_kv_heads
-    return split_plan(max_keys, programs, device, cfg["BLOCK_N"], per_sm=cfg["per_sm"])[0]
+    tile = grouped_config(device)
+    programs = -(-num_rows * (num_heads // num_kv_heads) // tile.block_m) * num_kv_heads
+    return split_plan(max_keys, programs, device, tile.block_n, per_sm=tile.per_sm)[0]
 
 
 # Own keys a cache block holds on the GPU: the fused decode step (kernels/gluon_fused_relay.py)
@@ -239,22 +220,18 @@ def fused_decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     return splits if max(own_chunks, longest_chunks) <= 2 * prefix_tiles else None
 
 
-# The fused kernel's prefix tile where the prefix consumers are its longer role: 128-key
-# tiles with Q in shared memory (the consumers then need 216 registers, the own-key
-# warpgroup gets 56, and the own-key ring 3 tiles: 219 KiB). With fewer row tiles a KV head
-# the own keys are the longer role and the launcher's 64-key tiles are as fast or faster.
-# Measured on the H200; docs/kernels.md has the numbers.
-FUSED_WIDE_TILE = dict(block_n=128, stages=2, ctx_tiles=3, q_smem=True, sys_regs=216, ctx_regs=56)
 FUSED_WIDE_MIN_ROW_TILES = 4
 
 
-def fused_tile(num_seqs: int, num_heads: int, num_kv_heads: int) -> dict:
-    """Keyword arguments of kernels/gluon_fused_relay.fused_relay_decode for a step of
-    num_seqs rows: FUSED_WIDE_TILE where a KV head has FUSED_WIDE_MIN_ROW_TILES row tiles of
-    128 query rows or more (the prefix work per program is then the longer role), else the
-    launcher's defaults (64-key tiles, Q in registers, a 4-tile own-key ring)."""
+def fused_tile(num_seqs: int, num_heads: int, num_kv_heads: int) -> FusedTile:
+    """The fused decode kernel's tile (kernels/gluon_fused_relay.py) for a step of num_seqs
+    rows: FUSED_WIDE_TILE where a KV head has FUSED_WIDE_MIN_ROW_TILES row tiles of 128 query
+    rows or more (the prefix work per program is then the longer role), else FusedTile's
+    defaults (64-key tiles, Q in registers, a 4-tile own-key ring). With fewer row tiles a KV
+    head the own keys are the longer role, and 64-key tiles are as fast or faster. Measured
+    on the H200; docs/kernels.md has the numbers."""
     row_tiles = -(-num_seqs * (num_heads // num_kv_heads) // 128)
-    return dict(FUSED_WIDE_TILE) if row_tiles >= FUSED_WIDE_MIN_ROW_TILES else {}
+    return FUSED_WIDE_TILE if row_tiles >= FUSED_WIDE_MIN_ROW_TILES else FusedTile()
 
 
 @functools.lru_cache(maxsize=64)
@@ -269,6 +246,53 @@ def fused_program_rows(num_rows: int, group: int, num_splits: int) -> tuple[tupl
         m = r * group // 128
         bins.setdefault((m, (r - -(-128 * m // group)) % num_splits), []).append(r)
     return tuple(tuple(rows) for rows in bins.values())
+
+
+# The full-grid 32-key decode tile's register cap: uncapped it takes 165 registers a thread,
+# six programs an SM; at 128, eight. Measured on the H200 (lower caps gain nothing more);
+# docs/kernels.md has the numbers.
+MAX_REGISTERS_SHORT_TILE = 128
+# Decode key ranges up to this many keys take the 32-key tile (a graph plans for its context
+# bucket, the next of 256, 1024, 4096 above the longest own context).
+SHORT_TILE_KEYS = 512
+
+
+def paged_config(rows_per_seq: int, head_dim: int, device: torch.device, elem: int = 2,
+                 keys: int = 1 << 30, num_programs: int | None = None) -> Tile:
+    """Row tile from q_len*G (>= 16 for tl.dot); decode tiles stay small so many programs fit an SM.
+
+    A decode program over few keys (relay's own keys) is latency-bound: 32-key tiles and
+    2 warps let more programs share an SM. Long key ranges (the baseline) stream best with
+    64-key tiles and 4 warps.
+
+    num_programs: sequences x KV heads of the launch, before any split (None: as many as
+    fill the chip). At most two of them per multiprocessor is a job's tail: no other
+    programs hide a tile's load, so the decode tiles read their block ids a tile ahead
+    (bt_ahead) and keep the next K/V tile in flight at 3 stages. Fuller grids keep 2
+    stages: read-ahead takes the 64-key tile from 38 to 70 KiB of shared memory, three
+    programs an SM instead of four (per_sm, which the split plan uses), and there other
+    programs hide the latency anyway. Relay's context step passes num_programs
+    (paged_attention's read_ahead); the baseline's launches pass None. On CUDA the
+    full-grid 32-key tile carries a register cap (maxnreg, a launch option), so more of its
+    programs share an SM. Measured on the H200; docs/kernels.md has the numbers.
+    """
+    block_m = max(16, min(128 if device.type == "cuda" else 32, 1 << max(0, rows_per_seq - 1).bit_length()))
+    ahead = block_m <= 16 and num_programs is not None and num_programs <= 2 * num_sms(device)
+    if block_m >= 128:
+        tile = Tile(block_m, 64, 8, 3, per_sm=1)
+    elif block_m <= 16 and keys <= SHORT_TILE_KEYS:  # six programs an SM uncapped, with or without read-ahead
+        tile = Tile(block_m, 32, 2, 3 if ahead else 2, per_sm=4)
+        if device.type == "cuda" and not ahead:
+            # 165 registers a thread bind this tile to six programs an SM; capped at 128
+            # eight fit, and a full grid of short contexts keeps more loads in flight
+            tile = tile.replace(maxnreg=MAX_REGISTERS_SHORT_TILE)
+    elif ahead:
+        tile = Tile(block_m, 64, 4, 3, per_sm=3)
+    else:
+        tile = Tile(block_m, 64, 4, 2, per_sm=4)
+    if ahead:
+        tile = tile.replace(bt_ahead=True)
+    return fit_smem(tile, head_dim, elem)
 
 
 def smem_per_block(device: torch.device) -> int:

@@ -4,9 +4,10 @@ For KV head h the G query heads of all n queries form one [n*G, D] matrix (row r
 query r // G, head h*G + r % G), so one tile of K_S/V_S read from HBM serves BLOCK_M
 rows through tl.dot. When n*G is small the prefix is cut into `num_splits` chunks
 (flash-decoding): each program writes a partial (o, lse) in fp32, and the partials are
-merged exactly, either by `_merge_kernel` here or in the epilogue of the context kernel.
+merged exactly, either by the merge kernel (kernels/triton_merge.py) or in the epilogue of
+the context kernel.
 
-The online-softmax helpers below are shared with the paged kernels.
+The online-softmax and merge helpers below are shared with the paged and merge kernels.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from relaycli.kernels.pdl import launch_options, pdl_supported
-from relaycli.kernels.triton_plan import DECODE_TILE, merge_block_h, merge_unroll, split_plan, system_config, tma_ok
+from relaycli.kernels.planner import AttentionPlan, plan_system
+from relaycli.kernels.tiles import DECODE_TILE, Tile
+from relaycli.kernels.triton_plan import tma_ok
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -186,34 +187,6 @@ def _system_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, lse_ptr,
                     G, D, BLOCK_M, BLOCK_N, HAS_ROWS, IEEE, TMA)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, num_splits, num_heads,
-                  stride_ps, stride_pn, stride_ph, stride_qs, stride_qn,
-                  stride_on, stride_oh, stride_ln,
-                  D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_LSE: tl.constexpr, UNROLL: tl.constexpr,
-                  WAIT: tl.constexpr):
-    """Merge partials [splits, N, Hq, D] / [splits, N, Hq] of one row and BLOCK_H heads.
-
-    A decode step has few rows, so few programs, each walking the splits in turn: UNROLL
-    of them are loaded at once (_merge_splits). WAIT: launched as a programmatic dependent
-    of the kernel that wrote the partials, so wait for it before any load.
-    """
-    if WAIT:
-        gdc_wait()
-    n = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < num_heads
-    offs_d = tl.arange(0, D)
-    o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    o, lse = _merge_splits(o, lse, po_ptr, pl_ptr, n * stride_pn + heads * stride_ph, n * stride_qn + heads,
-                           stride_ps, stride_qs, num_splits, hmask, D, UNROLL)
-    tl.store(o_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
-    if WRITE_LSE:
-        tl.store(lse_ptr + n * stride_ln + heads, lse, mask=hmask)
-
-
 def check_prefix(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> None:
     assert q.dim() == 3 and q.stride(-1) == 1, f"q must be [N, Hq, D] with unit last stride, got {tuple(q.shape)}"
     assert k_sys.dim() == 3 and k_sys.shape == v_sys.shape, "k_sys/v_sys must both be [S, Hkv, D]"
@@ -238,16 +211,18 @@ def gluon_usable(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor) -> b
 
 
 def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
-                          o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None = None,
-                          num_splits: int | None = None, config: dict | None = None,
-                          graphed: bool = False) -> None:
+                          o_part: torch.Tensor, lse_part: torch.Tensor, rows: torch.Tensor | None,
+                          tile: Tile) -> None:
     """Write per-split results of q[rows] against the prefix into o_part[s, rows], lse_part[s, rows].
 
     q [N, Hq, D]; k_sys/v_sys [S, Hkv, D]; rows [n] int64 or None (all N rows);
-    o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32.
-    num_splits must equal o_part.shape[0]; a chunk with no keys gets (0, -inf).
-    graphed: the step is a CUDA graph's (captured, or its first pass run eagerly): a config's
-    gluon/tma None then mean yes, since their host work (tensor descriptors) is paid once.
+    o_part [splits, N, Hq, D] (any float dtype), lse_part [splits, N, Hq] fp32; the prefix
+    is cut into o_part.shape[0] splits, and a chunk with no keys gets (0, -inf).
+    tile: the plan's (kernels/planner.py), its tma and gluon decided. Where these tensors
+    cannot take what the tile asks (the Gluon kernel: sm_90, 16-bit, D 64/128, a Triton
+    release it is tested on; TMA: aligned, at least a tile of keys), the tile runs in its
+    portable form: the Triton kernel (at DECODE_TILE's sizes for the warp-specialised
+    tile, which is Gluon's alone), pointers for TMA.
     """
     check_prefix(q, k_sys, v_sys)
     n_q = q.shape[0] if rows is None else rows.shape[0]
@@ -255,97 +230,58 @@ def system_attention_into(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Ten
     group = q.shape[1] // hkv
     assert o_part.shape[1:] == q.shape and lse_part.shape == o_part.shape[:3], "partial buffers mis-shaped"
     assert o_part.stride(-1) == 1 and lse_part.stride(-1) == 1 and lse_part.dtype == torch.float32
-    splits = o_part.shape[0] if num_splits is None else num_splits
-    assert splits == o_part.shape[0], "num_splits must match o_part's first dim"
+    assert tile.tma is not None and tile.gluon is not None, "the planner decides tma and gluon for a step"
+    splits = o_part.shape[0]
     if rows is not None:
         assert rows.dim() == 1 and rows.dtype == torch.int64, "rows must be [n] int64"
     if n_q == 0:
         return
-    cfg = dict(config or system_config(n_q * group, q.shape[2], q.device, q.element_size(), hkv))
-    cfg.pop("per_sm", None)
-    gluon = cfg.pop("gluon", False)
-    ws = cfg.pop("ws", False)
-    ws_kw = {"ws_regs": cfg.pop("ws_regs")} if "ws_regs" in cfg else {}
-    if gluon is None:  # as tma=None: a graph's step, whose descriptors are built once
-        gluon = q.is_cuda and graphed
-    if gluon and gluon_usable(q, k_sys, v_sys):
+    if tile.gluon and gluon_usable(q, k_sys, v_sys):
         from relaycli.kernels.gluon_system_attention import gluon_system_attention_into
         gluon_system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, rows, splits,
-                                    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"],
-                                    ws=ws is not False, **ws_kw)
+                                    tile.block_m, tile.block_n, tile.num_stages, ws=tile.ws)
         return
-    if ws is not False:  # the warp-specialised tile is Gluon's alone; Triton takes its decode tile
-        cfg.update({key: DECODE_TILE[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
+    if tile.ws:
+        tile = tile.replace(block_m=DECODE_TILE.block_m, block_n=DECODE_TILE.block_n,
+                            num_warps=DECODE_TILE.num_warps, num_stages=DECODE_TILE.num_stages)
     seq_len = k_sys.shape[0]
-    tma = cfg.pop("tma", False)
-    if tma is None:
-        tma = q.is_cuda and graphed
-    tma = tma and seq_len >= cfg["BLOCK_N"] and tma_ok(k_sys) and tma_ok(v_sys)
-    per = math.ceil(math.ceil(max(seq_len, 1) / splits) / cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    grid = (triton.cdiv(n_q * group, cfg["BLOCK_M"]), hkv, splits)
+    tma = tile.tma and seq_len >= tile.block_n and tma_ok(k_sys) and tma_ok(v_sys)
+    per = math.ceil(math.ceil(max(seq_len, 1) / splits) / tile.block_n) * tile.block_n
+    grid = (triton.cdiv(n_q * group, tile.block_m), hkv, splits)
     k_arg, v_arg = k_sys, v_sys
-    if tma:  # the copy engine fetches [BLOCK_N, D] tiles of the [S, Hkv*D] view
-        k_arg, v_arg = (TensorDescriptor.from_tensor(t.view(seq_len, -1), [cfg["BLOCK_N"], q.shape[2]])
+    if tma:  # the copy engine fetches [block_n, D] tiles of the [S, Hkv*D] view
+        k_arg, v_arg = (TensorDescriptor.from_tensor(t.view(seq_len, -1), [tile.block_n, q.shape[2]])
                         for t in (k_sys, v_sys))
     _system_kernel[grid](
         q, k_arg, v_arg, rows if rows is not None else q, o_part, lse_part,
         n_q, seq_len, per, scale * LOG2E,
         q.stride(0), q.stride(1), k_sys.stride(0), k_sys.stride(1), v_sys.stride(0), v_sys.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma, **cfg)
+        G=group, D=q.shape[2], HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, TMA=tma, **tile.launch())
 
 
-def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype,
-                   with_lse: bool = True, unroll: int | None = None, block_h: int | None = None,
-                   num_warps: int = 4, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge [splits, N, H, D] / [splits, N, H] partials -> o [N, H, D] out_dtype, lse [N, H] fp32.
-
-    unroll: splits whose loads are in flight together (the same bits for any value);
-    None: triton_plan.merge_unroll's choice for the grid. block_h: heads a program (a power
-    of two; None: triton_plan.merge_block_h's choice); num_warps: the program's warps.
-    pdl: launched as a programmatic dependent of the kernel before it on the stream (sm_90,
-    relaycli.kernels.pdl), its programs placed as that kernel's last ones leave and waiting for it in
-    griddepcontrol.wait before any load (the same bits)."""
-    assert not pdl or pdl_supported(o_part.device), "pdl needs an sm_90 or newer CUDA device"
-    assert unroll is None or unroll >= 1, f"unroll must be at least 1, got {unroll}"
-    assert block_h is None or (block_h >= 1 and block_h & (block_h - 1) == 0), f"block_h {block_h}: a power of two"
-    splits, n, heads, d = o_part.shape
-    o = torch.empty(n, heads, d, dtype=out_dtype, device=o_part.device)
-    lse = torch.empty(n, heads, dtype=torch.float32, device=o_part.device) if with_lse else None
-    if n == 0:
-        return o, lse
-    if block_h is None:
-        block_h = merge_block_h(n, heads, d, o_part.device)
-    grid = (n, triton.cdiv(heads, block_h))
-    if unroll is None:
-        unroll = merge_unroll(grid[0] * grid[1], o_part.device)
-    _merge_kernel[grid](
-        o_part, lse_part, o, lse if with_lse else o, splits, heads,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0) if with_lse else 0,
-        D=d, BLOCK_H=block_h, WRITE_LSE=with_lse, UNROLL=unroll, WAIT=pdl, num_warps=num_warps,
-        **launch_options(pdl))
-    return o, lse
-
-
-def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float,
-                     num_splits: int | None = None, config: dict | None = None
+def system_attention(q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as relaycli.kernels.reference.system_attention.
 
     q [N, Hq, D], k_sys/v_sys [S, Hkv, D] -> o [N, Hq, D] (q's dtype), lse [N, Hq] fp32.
     """
     check_prefix(q, k_sys, v_sys)
+    return run_system(plan_system(q, k_sys), q, k_sys, v_sys, scale)
+
+
+def run_system(plan: AttentionPlan, q: torch.Tensor, k_sys: torch.Tensor, v_sys: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """system_attention as a SYSTEM plan says: its splits and tile, then its merge."""
+    check_prefix(q, k_sys, v_sys)
     n, hq, d = q.shape
-    cfg = dict(config or system_config(n * hq // k_sys.shape[1], d, q.device, q.element_size(), k_sys.shape[1]))
-    programs = triton.cdiv(n * hq // k_sys.shape[1], cfg["BLOCK_M"]) * k_sys.shape[1]
-    splits, _ = split_plan(k_sys.shape[0], programs, q.device, cfg["BLOCK_N"], num_splits, per_sm=cfg.get("per_sm", 1))
-    if splits == 1:  # write the final result straight away, no partial round trip
+    if plan.sys_splits == 1:  # write the final result straight away, no partial round trip
         o = torch.empty_like(q)
         lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
-        system_attention_into(q, k_sys, v_sys, scale, o[None], lse[None], None, 1, cfg)
+        system_attention_into(q, k_sys, v_sys, scale, o[None], lse[None], None, plan.sys_tile)
         return o, lse
-    o_part = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
-    system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, None, splits, cfg)
-    return merge_partials(o_part, lse_part, q.dtype)
+    o_part = torch.empty(plan.sys_splits, n, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(plan.sys_splits, n, hq, dtype=torch.float32, device=q.device)
+    system_attention_into(q, k_sys, v_sys, scale, o_part, lse_part, None, plan.sys_tile)
+    from relaycli.kernels.triton_merge import merge_partials
+    return merge_partials(o_part, lse_part, q.dtype, plan.merge)

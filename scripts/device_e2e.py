@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a bare checkout too
 
-from relaycli.kernels import triton_ops  # noqa: E402
+from relaycli.kernels import triton_plan  # noqa: E402
 from relaycli.models.registry import load_model  # noqa: E402
 from relaycli.compile import TokenPrefix, compile_prompt, load_checked, prefix_from_ids  # noqa: E402
 from relaycli.bench.hf_peer import hf_twin  # noqa: E402
@@ -198,20 +198,20 @@ def check_wide(device: str, preset: str, prefix_tokens: int, num_requests: int, 
     prefix = dummy_prefix(lm, prefix_tokens, rng)
     reqs = dummy_requests(lm, prefix, num_requests, max_tokens, rng)
     outs, kinds = {}, {}
-    plan = triton_ops.fused_decode_plan
+    plan = triton_plan.fused_decode_plan
     for name, relay in (("relay", True), ("relay_unfused", True), ("no_relay", False)):
-        if name == "relay_unfused":  # both of triton_ops' callers look the plan up there
-            triton_ops.fused_decode_plan = lambda *args: None
+        if name == "relay_unfused":  # the planner looks the fused kernel's plan up there
+            triton_plan.fused_decode_plan = lambda *args: None
         try:
             eng = Engine(lm, [prefix], EngineConfig(max_num_seqs=num_requests, relay=relay, cuda_graphs=True),
                          record_token_ids=True)
             assert len(list(eng.generate_tokens(reqs))) == num_requests
             outs[name] = eng.token_ids_by_row
-            # decode graphs by the kernel of their system plan (key: ..., (splits, kernel))
+            # decode graphs by the kind of their attention plan (key: ..., plan)
             graphs = eng.runner.graphs.graphs if eng.runner.graphs is not None else {}
-            kinds[name] = dict(collections.Counter(key[3][1] for key in graphs if key[3] is not None))
+            kinds[name] = dict(collections.Counter(key[3].kind for key in graphs if key[3] is not None))
         finally:
-            triton_ops.fused_decode_plan = plan
+            triton_plan.fused_decode_plan = plan
         del eng
         gc.collect()
     report = {"preset": preset, "dtype": dtype, "prefix": prefix_tokens, "requests": num_requests,

@@ -19,6 +19,7 @@ Usage: python scripts/device_kernels.py [--sweep] [--sys-only] [--prefixes 8192 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,28 +34,33 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from relaycli.kernels import planner  # noqa: E402
 from relaycli.kernels import reference as ref  # noqa: E402
+from relaycli.kernels.system_plan import resolve  # noqa: E402
+from relaycli.kernels.tiles import Tile  # noqa: E402
 from relaycli.kernels.triton_context_attention import paged_attention  # noqa: E402
-from relaycli.kernels.triton_ops import relay_attention_with  # noqa: E402
+from relaycli.kernels.triton_ops import execute, relay_attention  # noqa: E402
+from relaycli.kernels.triton_paged_decode import group_prefixes, run_baseline  # noqa: E402
 from relaycli.kernels.triton_paged_decode import prefix_paged_attention as baseline  # noqa: E402
 from relaycli.kernels.triton_plan import split_plan, system_config  # noqa: E402
-from relaycli.kernels.triton_system_attention import merge_partials, system_attention_into  # noqa: E402
+from relaycli.kernels.triton_merge import merge_partials  # noqa: E402
+from relaycli.kernels.triton_system_attention import system_attention_into  # noqa: E402
 from relaycli.bench.kernels import build_step  # noqa: E402
 from relaycli.bench.roofline import measure_ceilings  # noqa: E402
 from relaycli.bench.timing import cuda_median_us, l2_flusher, replayed  # noqa: E402
 
 HEADS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
-SYS_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, per_sm=ps, tma=True, gluon=g, ws=ws)
+SYS_SWEEP = [Tile(m, n, w, st, per_sm=ps, tma=True, gluon=g, ws=ws)
              for m, n, w, st, ps, g, ws in [
                  (64, 64, 4, 3, 2, False, False), (128, 128, 8, 3, 1, False, False),  # Triton
                  (64, 64, 4, 3, 2, True, False), (64, 64, 4, 2, 3, True, False),  # Gluon (Hopper)
                  (64, 128, 4, 2, 1, True, False), (128, 64, 8, 3, 1, True, False),
                  (128, 64, 4, 3, 1, True, True), (128, 64, 4, 4, 1, True, True),  # warp-specialised
                  (128, 128, 4, 2, 1, True, True)]]
-PAGED_SWEEP = [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=hf)
+PAGED_SWEEP = [Tile(16, n, w, s, per_sm=4, heads_fast=hf)
                for n, w, s, hf in [(64, 4, 2, False), (64, 4, 2, True), (32, 4, 3, True), (64, 2, 3, True),
                                    (32, 2, 2, True), (128, 4, 1, True), (32, 2, 5, True), (64, 4, 5, True)]] + \
-              [dict(BLOCK_M=16, BLOCK_N=n, num_warps=w, num_stages=s, per_sm=4, heads_fast=True, bt_ahead=True)
+              [Tile(16, n, w, s, per_sm=4, heads_fast=True, bt_ahead=True)
                for n, w, s in [(32, 2, 3), (64, 4, 3), (64, 4, 4)]]
 rows: list[dict] = []
 checks: list[dict] = []
@@ -170,6 +176,27 @@ def cudnn_time(q, k_full, v_full, scale):
         return bench_both_us(fn), eager_us(fn), out[:, :, 0], how
 
 
+def relay_plans(q, kc, vc, meta, pre) -> dict:
+    """The plans relay's step is timed with, built from the planner's: the engine's (the step
+    as a CUDA graph's: the fused own-key kernel where it pays), the eager step's (the fused
+    epilogue), the overlapped one of a graph without the fused kernel, and that overlap with
+    the context kernel first."""
+    groups = group_prefixes(meta, pre)
+    graphed = dataclasses.replace(meta, graphed=True, _cache={})
+    overlap = planner.plan_relay_shape(planner.step_shape(q, kc, graphed, groups), fused_layout=False)
+    return {"engine plan": (planner.plan_relay(q, kc, vc, graphed, groups), graphed),
+            "fused epilogue": (planner.plan_relay(q, kc, vc, meta, groups), meta),
+            "overlap": (overlap, graphed),
+            "overlap, context first": (dataclasses.replace(overlap, system_first=False), graphed)}
+
+
+def baseline_tile(q, kc, vc, meta, pre, scale, tile):
+    """The baseline with every launch on this tile (its program order, heads_fast, the tile's)."""
+    plan = planner.plan_baseline(q, kc, meta, group_prefixes(meta, pre))
+    plan = dataclasses.replace(plan, ctx_tiles=(tile,) * len(plan.ctx_tiles))
+    return run_baseline(plan, q, kc, vc, meta, pre, scale)
+
+
 def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_only=False):
     q, kc, vc, pre, meta = build(hq, hkv, d, batch, S, C, dev)
     scale = d ** -0.5
@@ -183,39 +210,40 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     want_so, want_sl = ref.system_attention(q.float(), k_sys.float(), v_sys.float(), scale)
     rows_idx = meta.prefix_groups[0].query_indices
 
+    merge = planner.merge_tile(batch, hq, d, dev)
+
     def sys_runner(cfg):
-        cfg = cfg or system_config(batch * hq // hkv, d, q.device, q.element_size(), hkv)
-        prog = triton.cdiv(batch * hq // hkv, cfg["BLOCK_M"]) * hkv
-        splits, _ = split_plan(S, prog, q.device, cfg["BLOCK_N"], per_sm=cfg.get("per_sm", 1))
+        cfg = cfg or resolve(system_config(batch * hq // hkv, d, q.device, q.element_size(), hkv), False)
+        prog = triton.cdiv(batch * hq // hkv, cfg.block_m) * hkv
+        splits, _ = split_plan(S, prog, q.device, cfg.block_n, per_sm=cfg.per_sm)
         o_p = torch.empty(splits, batch, hq, d, device=dev)
         l_p = torch.empty(splits, batch, hq, device=dev)
-        return (lambda: system_attention_into(q, k_sys, v_sys, scale, o_p, l_p, rows_idx, splits, cfg)), o_p, l_p
+        return (lambda: system_attention_into(q, k_sys, v_sys, scale, o_p, l_p, rows_idx, cfg)), o_p, l_p
 
     fn, o_p, l_p = sys_runner(None)
     fn()
-    so, sl = merge_partials(o_p, l_p, q.dtype)
+    so, sl = merge_partials(o_p, l_p, q.dtype, merge)
     check(f"{case} system o", so, want_so)
     check(f"{case} system lse", sl, want_sl)
-    for label, kw in (("relay fused", {}), ("relay overlap", dict(overlap=True)),
-                      ("relay overlap, context first", dict(overlap=True, system_side=False, resident=False))):
-        check(f"{case} {label}", relay_attention_with(q, kc, vc, meta, pre, scale, **kw), want_o)
-    # the engine's plan of a graphed decode step (the fused own-key kernel where it pays)
-    check(f"{case} relay engine plan (graphed)", replayed(lambda: relay_attention_with(q, kc, vc, meta, pre, scale)),
-          want_o)
+    plans = relay_plans(q, kc, vc, meta, pre)
+    check(f"{case} relay eager", relay_attention(q, kc, vc, meta, pre, scale), want_o)
+    for label, (plan, m) in plans.items():
+        check(f"{case} relay {label} ({plan.kind})", replayed(lambda: execute(plan, q, kc, vc, m, pre, scale)), want_o)
     tot = kv_sys + kv_own + qo
     if sys_only:
         for cfg in SYS_SWEEP:
             try:
                 run_cfg, o_c, l_c = sys_runner(cfg)
                 run_cfg()
-                check(f"{case} system {cfg}", merge_partials(o_c, l_c, q.dtype)[0], want_so)
-                add(case, "(a) system kernel [sweep]", bench_both_us(run_cfg), kv_sys + qo, flops_sys, ceil, None, cfg)
+                check(f"{case} system {cfg}", merge_partials(o_c, l_c, q.dtype, merge)[0], want_so)
+                add(case, "(a) system kernel [sweep]", bench_both_us(run_cfg), kv_sys + qo, flops_sys, ceil, None,
+                    dataclasses.asdict(cfg))
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
                 print(f"config {cfg} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        for label, kw in (("engine plan", {}), ("fused epilogue", dict(overlap=False, fused=False)),
-                          ("overlap", dict(overlap=True, fused=False))):
-            fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
-            add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, None, "default")
+        for label in ("engine plan", "fused epilogue", "overlap"):
+            plan, m = plans[label]
+            fn_relay = lambda: execute(plan, q, kc, vc, m, pre, scale)  # noqa: E731
+            add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, None, plan.kind)
         return
     check(f"{case} baseline", baseline(q, kc, vc, meta, pre, scale), want_o)
     k_full = torch.cat([k_sys.transpose(0, 1)[None].expand(batch, -1, -1, -1),
@@ -228,26 +256,25 @@ def relay_case(name, hq, hkv, d, batch, ceil, dev, sweep, S=8192, C=128, sys_onl
     torch.cuda.empty_cache()
     add(case, f"(d) cuDNN per-request ({how})", t_cudnn, tot, flops_all, ceil, t_cudnn, eager=e_cudnn)
     add(case, "(a) system kernel", bench_both_us(fn), kv_sys + qo + batch * hq * 4, flops_sys, ceil, None, "default")
-    # (b) relay engine plan: what a graphed decode step of the engine runs (triton_plan.fused_decode_plan
-    # picks the fused own-key kernel where it pays); the others are the older plans, fused=False
-    for label, kw in (("engine plan", {}), ("fused epilogue", dict(overlap=False, fused=False)),
-                      ("overlap", dict(overlap=True, fused=False)),
-                      ("overlap, context first", dict(overlap=True, system_side=False, resident=False, fused=False))):
-        fn_relay = lambda: relay_attention_with(q, kc, vc, meta, pre, scale, **kw)  # noqa: E731
-        add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, t_cudnn, "default",
+    # (b) relay engine plan: what a graphed decode step of the engine runs (the planner picks the
+    # fused own-key kernel where it pays); the others are the planner's other kinds for this step
+    for label, (plan, m) in plans.items():
+        fn_relay = lambda: execute(plan, q, kc, vc, m, pre, scale)  # noqa: E731
+        add(case, f"(b) relay {label}", bench_both_us(fn_relay), tot, flops_all, ceil, t_cudnn, plan.kind,
             eager_us(fn_relay))
     fn_base = lambda: baseline(q, kc, vc, meta, pre, scale)  # noqa: E731
     add(case, "(c) baseline paged", bench_both_us(fn_base), tot, flops_all, ceil, t_cudnn, "default", eager_us(fn_base))
     if sweep:
         for cfg in SYS_SWEEP:
             add(case, "(a) system kernel [sweep]", bench_both_us(sys_runner(cfg)[0]), kv_sys + qo, flops_sys, ceil,
-                None, cfg)
+                None, dataclasses.asdict(cfg))
         for cfg in PAGED_SWEEP:
             out = torch.empty(1, batch, hq, d, device=dev, dtype=q.dtype)
-            t = bench_both_us(lambda: paged_attention(q, kc, vc, meta, scale, out=out, sys_part=(o_p, l_p), config=cfg))
-            add(case, "context+fusion kernel [sweep]", t, kv_own + qo, 4 * batch * hq * C * d, ceil, None, cfg)
-            t = bench_both_us(lambda: baseline(q, kc, vc, meta, pre, scale, config=cfg))
-            add(case, "(c) baseline paged [sweep]", t, tot, flops_all, ceil, t_cudnn, cfg)
+            t = bench_both_us(lambda: paged_attention(q, kc, vc, meta, scale, out=out, sys_part=(o_p, l_p), tile=cfg))
+            add(case, "context+fusion kernel [sweep]", t, kv_own + qo, 4 * batch * hq * C * d, ceil, None,
+                dataclasses.asdict(cfg))
+            t = bench_both_us(lambda: baseline_tile(q, kc, vc, meta, pre, scale, cfg))
+            add(case, "(c) baseline paged [sweep]", t, tot, flops_all, ceil, t_cudnn, dataclasses.asdict(cfg))
 
 
 def bandwidth_case(name, hq, hkv, d, ceil, dev, sweep, batch=64, own=8192):
@@ -261,8 +288,8 @@ def bandwidth_case(name, hq, hkv, d, ceil, dev, sweep, batch=64, own=8192):
     fn_base = lambda: baseline(q, kc, vc, meta, [], scale)  # noqa: E731
     add(case, "(e) baseline paged", bench_both_us(fn_base), nbytes, flops, ceil, None, "default", eager_us(fn_base))
     for cfg in PAGED_SWEEP if sweep else []:
-        add(case, "(e) baseline paged [sweep]", bench_both_us(lambda: baseline(q, kc, vc, meta, [], scale, config=cfg)),
-            nbytes, flops, ceil, None, cfg)
+        add(case, "(e) baseline paged [sweep]", bench_both_us(lambda: baseline_tile(q, kc, vc, meta, [], scale, cfg)),
+            nbytes, flops, ceil, None, dataclasses.asdict(cfg))
 
 
 def table(ceil, info) -> str:

@@ -185,25 +185,26 @@ def test_batches_beyond_the_largest_bucket_run_eagerly():
     assert max(k[0] for k in graphs.all_keys(600, 5, [None])) == BATCH_BUCKETS[-1]
 
 
-def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
+def test_graphs_key_on_the_attention_plan_of_the_real_own_keys(monkeypatch):
     """Relay's Triton step plans its system kernel by the step's own keys in all, not by
     its context bucket's bound: steps of one bucket that want other plans get graphs of
     their own, each captured at a total that plans the same, and all_keys lists them."""
     from types import SimpleNamespace
 
-    from relaycli.kernels import triton_ops, triton_plan
-    from relaycli.kernels.triton_plan import DECODE_TILE, WS_TILE
+    from relaycli.kernels import planner, triton_plan
+    from relaycli.kernels.tiles import DECODE_TILE, WS_TILE
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)  # an H200 (sm_90)
-    monkeypatch.setattr(triton_ops, "system_config", lambda rows, d, device, elem, kv_heads: dict(
+    monkeypatch.setattr(triton_plan, "system_config", lambda rows, d, device, elem, kv_heads: (
         WS_TILE if triton_plan.ws_pays(rows, kv_heads, 132) else DECODE_TILE))
-    cpu = torch.device("cpu")
+    monkeypatch.setattr(triton_plan, "is_sm90", lambda device: False)  # 16-key blocks: no fused step anyway
+    cuda = torch.device("cuda")  # the planner reads only its type here
 
-    def plan(bs, num_heads, slot, tokens, ctx):  # llama3-8b heads under an 8,192-token prompt
-        return triton_ops.graphed_decode_plan(bs, 32, 8, 128, 2, cpu, 8192, tokens, 16, ctx)
+    def plan(bs, num_heads, slot, tokens, ctx, mixed=False):  # llama3-8b heads under an 8,192-token prompt
+        return planner.decode_graph_plan(bs, 32, 8, 128, 2, 16, cuda, 8192, None, tokens, ctx)
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
     engine = Engine(lm, [prefix_from_ids(lm, [1, 2, 3])], EngineConfig(max_num_seqs=256, kv_cache_gb=0.01))
     graphs = DecodeGraphs(engine.runner, 256, scratch_block=engine.runner.num_blocks)
-    graphs.attention = SimpleNamespace(graphed_decode_plan=plan)
+    graphs.attention = SimpleNamespace(graph_plan=plan)
 
     def seqs(lens):
         return [SimpleNamespace(prefix_slot=0, num_own_tokens=n) for n in lens]
@@ -211,7 +212,8 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
     # one bucket, two plans: the warp-specialised tile where the system step is the longer
     # (measured faster on the H200 at 32 own keys a row: docs/kernels.md)
     assert short[:3] == full[:3] == (256, 256, 0)
-    assert short[3] == (2, "ws") and full[3] == (1, "tile")
+    assert short[3].sys_splits == 2 and short[3].sys_tile.ws
+    assert full[3].sys_splits == 1 and not full[3].sys_tile.ws
     keys = graphs.all_keys(256, 256, [0])
     assert short in keys and full in keys and len(set(keys)) == len(keys)
     rng = random.Random()
@@ -221,11 +223,11 @@ def test_graphs_key_on_the_system_plan_of_the_real_own_keys(monkeypatch):
         assert key in keys, key
     for key in keys:  # a key's graph is captured at a total that plans as the key says
         meta = graphs._meta(key)
-        assert plan(key[0], 32, 0, triton_ops.context_tokens(meta), key[1]) == key[3]
+        assert plan(key[0], 32, 0, planner.context_tokens(meta), key[1]) == key[3]
     meta = graphs._meta(full)
-    assert triton_ops.context_tokens(meta) == meta.context_tokens <= 256 * 256
+    assert planner.context_tokens(meta) == meta.context_tokens <= 256 * 256
     meta.context_tokens = None  # without a total, a step is priced at its bucket's bound
-    assert triton_ops.context_tokens(meta) == meta.num_seqs * meta.max_context_len
+    assert planner.context_tokens(meta) == meta.num_seqs * meta.max_context_len
 
 
 def test_fused_tile_is_wide_where_a_kv_head_has_four_row_tiles():
@@ -233,19 +235,20 @@ def test_fused_tile_is_wide_where_a_kv_head_has_four_row_tiles():
     tiles of 128 query rows: llama3-8b heads at batch 256 (measured faster on the H200) and
     128; not at batch 64, nor llama2-7b's G = 1 at 256 (measured slower: the own keys lead)."""
     from relaycli.kernels import triton_plan
-    assert triton_plan.fused_tile(256, 32, 8) == triton_plan.FUSED_WIDE_TILE
-    assert triton_plan.fused_tile(128, 32, 8) == triton_plan.FUSED_WIDE_TILE
-    assert triton_plan.fused_tile(97, 32, 8) == triton_plan.FUSED_WIDE_TILE  # 388 rows: 4 tiles, the last short
-    assert triton_plan.fused_tile(96, 32, 8) == {}  # 384 rows: 3 tiles
-    assert triton_plan.fused_tile(64, 32, 8) == {}
-    assert triton_plan.fused_tile(256, 32, 32) == {}
-    assert triton_plan.fused_tile(512, 32, 32) == triton_plan.FUSED_WIDE_TILE
+    from relaycli.kernels.tiles import FUSED_WIDE_TILE, FusedTile
+    assert triton_plan.fused_tile(256, 32, 8) == FUSED_WIDE_TILE
+    assert triton_plan.fused_tile(128, 32, 8) == FUSED_WIDE_TILE
+    assert triton_plan.fused_tile(97, 32, 8) == FUSED_WIDE_TILE  # 388 rows: 4 tiles, the last short
+    assert triton_plan.fused_tile(96, 32, 8) == FusedTile()  # 384 rows: 3 tiles
+    assert triton_plan.fused_tile(64, 32, 8) == FusedTile()
+    assert triton_plan.fused_tile(256, 32, 32) == FusedTile()
+    assert triton_plan.fused_tile(512, 32, 32) == FUSED_WIDE_TILE
 
 
 def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     """Where the fused own-key step runs (sm_90, 64-key blocks, 16-bit) and pays: the
     H200 tables in triton_plan.fused_decode_plan's docstring."""
-    from relaycli.kernels import triton_ops, triton_plan
+    from relaycli.kernels import planner, triton_plan
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_plan, "is_sm90", lambda device: True)
     cpu = torch.device("cpu")
@@ -274,9 +277,15 @@ def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     assert plan(256, 0, 128) is None
     # at least 256 prefix keys a split: a short prefix is not split into empty ranges
     assert plan(1, 512, 8) == 2 and plan(1, 300, 8) == 1
-    # a graph key names the fused kernel with its splits; other keys keep their tile's name
-    assert triton_ops.graphed_decode_plan(256, 32, 8, 128, 2, cpu, 8192, 256 * 128, 64, 256) == (2, "fused")
-    assert triton_ops.graphed_decode_plan(256, 32, 8, 128, 2, cpu, 8192, 256 * 128, 64, 16384)[1] in ("ws", "tile")
+    # a graph key is the fused plan with its splits; other keys the overlapped step's
+    cuda = torch.device("cuda")  # the planner reads only its type here
+    monkeypatch.setattr(torch.version, "hip", None)
+    fused = planner.decode_graph_plan(256, 32, 8, 128, 2, 64, cuda, 8192, None, 256 * 128, 256)
+    assert fused.kind == planner.RELAY_FUSED and fused.sys_splits == 2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton_plan, "smem_per_block", lambda device: 224 * 1024)
+    other = planner.decode_graph_plan(256, 32, 8, 128, 2, 64, cuda, 8192, None, 256 * 128, 16384)
+    assert other.kind == planner.RELAY_OVERLAP
     monkeypatch.setattr(triton_plan, "is_sm90", lambda device: False)
     assert plan(256, 8192, 128) is None
 
@@ -293,42 +302,21 @@ def test_engine_cache_blocks_default_by_device():
     assert engine.runner.k_caches[0].shape[1] == 64
 
 
-def test_fused_steps_deal_rows_evenly_over_the_kernels_programs():
-    """A graph whose plan is the fused own-key kernel runs its rows in an order that evens
-    the chunks each program attends (program (m, h, split): rows whose first query row is
-    among its 128, split = index among them mod splits); other plans keep the order."""
+def test_graphs_run_their_rows_in_the_order_of_their_plan():
+    """A graph whose plan is the fused own-key kernel runs its rows in the planner's order
+    (kernels/planner.py row_order: tests/test_planner.py has its balance); other plans keep
+    the order."""
     from types import SimpleNamespace
+
+    from relaycli.kernels import planner
     rng = random.Random()
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
     engine = Engine(lm, [], EngineConfig(max_num_seqs=256, kv_cache_gb=0.01, block_size=64))
     graphs = DecodeGraphs(engine.runner, 256, scratch_block=engine.runner.num_blocks)
-
-    def loads(order, g, splits):
-        out: dict = {}
-        for r, s in enumerate(order):
-            m = r * g // 128
-            b = (m, (r - -(-128 * m // g)) % splits)
-            out[b] = out.get(b, 0) + max(1, -(-s.num_own_tokens // 64))
-        return out
-    ratios = []
-    for _ in range(40):
-        g, splits = rng.choice([1, 3, 4, 7, 8]), rng.choice([1, 2, 4, 8])
-        n = rng.choice([rng.randint(1, 256), 256])
-        graphs.group = g
-        seqs = [SimpleNamespace(num_own_tokens=min(4096, int(rng.lognormvariate(5.8, 1.0))) + 1) for _ in range(n)]
-        dealt = graphs.deal(seqs, (256, 4096, 0, (splits, "fused")))
-        assert sorted(map(id, dealt)) == sorted(map(id, seqs))  # a permutation of the step's rows
-        got, before = loads(dealt, g, splits), loads(seqs, g, splits)
-        assert got.keys() == before.keys()
-        ratios.append(max(got.values()) / max(before.values()))
-        if g in (1, 4, 8) and n % (128 // g) == 0:  # bins of equal rows: LPT's bound, the mean plus a row
-            top = max(max(1, -(-s.num_own_tokens // 64)) for s in seqs)
-            assert max(got.values()) <= sum(got.values()) / len(got) + top
-        # the scheduler's order in, the same rows out: a step whose rows cross no chunk edge
-        # keeps the last step's order (its sampled tokens are then this step's inputs as they lie)
-        assert graphs.deal(list(seqs), (256, 4096, 0, (splits, "fused"))) == dealt
-        assert graphs.deal(seqs, (256, 4096, 0, (splits, "ws"))) is seqs
-        assert graphs.deal(seqs, (256, 4096, None, None)) is seqs
-    # against the scheduler's order (bins of unequal rows can come out a little worse): the
-    # most loaded program, on average, about 0.72 of the undealt one's in 3,000 such draws
-    assert sum(ratios) / len(ratios) < 0.9
+    group = engine.runner.mc.num_attention_heads // engine.runner.mc.num_key_value_heads
+    seqs = [SimpleNamespace(num_own_tokens=rng.randint(1, 900), prefix_slot=None) for _ in range(200)]
+    fused = planner.AttentionPlan(planner.RELAY_FUSED, sys_splits=4)
+    order = planner.row_order(fused, [s.num_own_tokens for s in seqs], group, 64)
+    assert graphs.deal(seqs, (256, 1024, 0, fused)) == [seqs[j] for j in order] != seqs
+    assert graphs.deal(seqs, (256, 1024, 0, planner.AttentionPlan(planner.RELAY_OVERLAP, 2))) is seqs
+    assert graphs.deal(seqs, (256, 1024, None, None)) is seqs

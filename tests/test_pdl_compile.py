@@ -1,6 +1,6 @@
 """The layer's small kernels launched as programmatic dependents (relaycli.kernels.pdl), on any
 machine: the kernels, compiled for sm_90, carry the grid-dependency instructions exactly
-where their flags ask. Timing and results on the GPU: tests/test_triton_kernels.py,
+where their flags ask. Timing and results on the GPU: tests/test_kernels_merge.py,
 tests/test_triton_layer_ops.py."""
 
 import importlib.util

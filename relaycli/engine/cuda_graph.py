@@ -2,7 +2,7 @@
 
 A decode step is many small launches (about 45 a layer), so eagerly the host, not the
 GPU, sets its pace. A graph replays all of them with one launch. Graphs are captured
-lazily per (batch bucket, context bucket, prefix slot, system plan) on static input buffers:
+lazily per (batch bucket, context bucket, prefix slot, attention plan) on static input buffers:
 - batch bucket: the next size of BATCH_BUCKETS; padded rows write their k/v to a
   scratch block that no sequence owns, have no own context (the paged kernels read
   nothing for them, not even their prefix; relay's system kernel still computes them
@@ -15,18 +15,15 @@ lazily per (batch bucket, context bucket, prefix slot, system plan) on static in
   graph serves every mix, up to MAX_TABLE_GROUPS prefixes in a step. A step whose rows
   all share one prefix keeps a graph of its own, which takes the fused own-key kernel
   where it pays (its tensor descriptors name the prefix);
-- system plan: relay's split count and kernel for the system step (the fused own-key
-  kernel where its bucket allows, else the system kernel's tile), which the step prices
-  by its real own keys (their sum, known on the host), not by the bucket's bound. The
-  same bucket holds steps of 40 and of 250 keys a row, and under a long prompt the two
-  want different tiles (H200, llama3-8b heads, batch 256, 8,192 prefix tokens, 32 own:
-  111.6 us planned for the bucket against 81.5 us with the warp-specialised tile). A
-  graph is captured with its key's representative total, which gives the same plan.
+- attention plan: relay's plan of the step (kernels/planner.py decode_graph_plan: its kind,
+  splits and tiles), which the step prices by its real own keys (their sum, known on the
+  host), not by the bucket's bound: the same bucket holds steps of 40 and of 250 keys a
+  row, and under a long prompt the two want different system tiles. A graph is captured
+  with its key's representative total, which gives the same plan.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 
@@ -34,7 +31,6 @@ import numpy as np
 import torch
 
 from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup, PrefixTable, prefix_table_rows
-from relaycli.kernels.triton_plan import fused_program_rows
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import stage
 
@@ -93,7 +89,6 @@ class DecodeGraphs:
         self.logits = torch.empty(self.max_bs, runner.mc.vocab_size, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # each writes self.logits
         self.num_heads = runner.mc.num_attention_heads
-        self.group = runner.mc.num_attention_heads // runner.mc.num_key_value_heads
         # own keys in all that a key's graph is captured with (the first step that met it,
         # or capture_all's sample); any total of the key plans the same
         self.key_tokens: dict[tuple, int] = {}
@@ -105,7 +100,7 @@ class DecodeGraphs:
 
     def key(self, seqs: list[Sequence]) -> tuple | None:
         """The graph that can run this step, or None (eager_reason says why):
-        (batch bucket, context bucket, prefix slot or MIXED, system plan)."""
+        (batch bucket, context bucket, prefix slot or MIXED, attention plan)."""
         slots = {s.prefix_slot for s in seqs}
         if len(seqs) > self.max_bs:
             self.eager_reason = EAGER_TOO_LARGE
@@ -124,33 +119,15 @@ class DecodeGraphs:
         return key
 
     def deal(self, seqs: list[Sequence], key: tuple) -> list[Sequence]:
-        """The step's sequences in the row order its graph should run them: as given, except
-        where the key's plan is the fused own-key kernel (kernels/gluon_fused_relay.py).
-        There program (m, h, split) attends, one 64-key chunk after another, the own keys of
-        the rows whose first query row is among its 128 and whose index within them is
-        split modulo the split count, so the step lasts as long as its most loaded program.
-        Rows are dealt longest first, each to the least loaded such bin with a free row (LPT),
-        which leaves the most loaded bin at most one row's chunks above the mean. Any order
-        computes the same outputs (each row is its own sequence's); ties keep the given order,
-        so a batch whose lengths cross no chunk boundary keeps its rows from step to step."""
-        if key[2] == MIXED:  # by prefix slot, rows without one last; the given order within each
+        """The step's sequences in the row order its graph should run them: by prefix slot
+        for a MIXED key (its PrefixTable wants the rows of a prefix together, rows without
+        one last; the given order within each), else the order the key's attention plan
+        asks for (kernels/planner.py row_order), or as given. Any order computes the same
+        outputs (each row is its own sequence's)."""
+        if key[2] == MIXED:
             return sorted(seqs, key=lambda s: len(self.prefixes) if s.prefix_slot is None else s.prefix_slot)
-        plan = key[3]
-        if plan is None or plan[1] != "fused":
-            return seqs
-        rows = fused_program_rows(len(seqs), self.group, plan[0])
-        c = self.block_size
-        heap = [(0, i) for i in range(len(rows))]
-        taken = [0] * len(rows)
-        out: list[Sequence | None] = [None] * len(seqs)
-        cost = [max(1, -(-s.num_own_tokens // c)) for s in seqs]
-        for j in sorted(range(len(seqs)), key=lambda j: -cost[j]):
-            load, i = heapq.heappop(heap)
-            out[rows[i][taken[i]]] = seqs[j]
-            taken[i] += 1
-            if taken[i] < len(rows[i]):
-                heapq.heappush(heap, (load + cost[j], i))
-        return out
+        order = self.attention.row_order(key[3], [s.num_own_tokens for s in seqs], self.num_heads)
+        return seqs if order is None else [seqs[j] for j in order]
 
     def _bucket(self, num_seqs: int, longest: int, slot: int | None, tokens: int) -> tuple:
         bs = next(b for b in BATCH_BUCKETS if b >= num_seqs)
@@ -158,9 +135,8 @@ class DecodeGraphs:
         return bs, ctx, slot, self._plan(bs, slot, tokens, ctx)
 
     def _plan(self, bs: int, slot: int | str | None, tokens: int, ctx: int):
-        if slot == MIXED:
-            return self.attention.graphed_table_plan(bs, self.num_heads, max(self.prefix_lens))
-        return self.attention.graphed_decode_plan(bs, self.num_heads, slot, tokens, ctx)
+        mixed = slot == MIXED
+        return self.attention.graph_plan(bs, self.num_heads, None if mixed else slot, tokens, ctx, mixed=mixed)
 
     def all_keys(self, max_num_seqs: int, max_context: int, slots: list[int | None]) -> list[tuple]:
         """Every key a step of at most max_num_seqs sequences, none longer than
@@ -241,8 +217,7 @@ class DecodeGraphs:
         bs, ctx, slot, plan = key
         groups, table = [], None
         if slot == MIXED:
-            table = PrefixTable(self.row_group[:bs], self.groups, self.table_groups, max(self.prefix_lens),
-                                plan[0] if plan is not None else 0)
+            table = PrefixTable(self.row_group[:bs], self.groups, self.table_groups, max(self.prefix_lens))
         elif slot is not None:
             prefix = self.prefixes[slot]
             groups = [PrefixGroup(slot, prefix.num_tokens, self.rows[:bs], self.rows[:bs])]
