@@ -219,7 +219,7 @@ class DecodeGraphs:
         rows = np.empty((3, n), dtype=np.int64)
         for b, s in enumerate(seqs):
             i = s.num_own_tokens - 1
-            rows[0, b] = s.num_prefix_tokens + i
+            rows[0, b] = s.position_base + i
             rows[1, b] = s.slot(i, bsz)
             rows[2, b] = s.num_own_tokens
         tables = pack_block_tables([s.block_table for s in seqs], width, self.scratch_block, self.host_tables)
