@@ -273,4 +273,4 @@ def is_schema_file(path: Path) -> bool:
             head = f.read(256).decode("utf-8", "ignore").removeprefix("\ufeff").lstrip()
     except OSError:
         return False
-    return head.startswith("<schema") or (head.startswith("<?xml") and "<schema" in head)
+    return head.startswith("<schema") or (head.startswith(("<?xml", "<!--")) and "<schema" in head)
