@@ -214,11 +214,11 @@ def parse_schema(text: str, path: Path) -> Schema:
                           "close every tag and write & < > in text as &amp; &lt; &gt;") from None
     if b.schema is None:
         raise SchemaError(f"{path}: no <schema> element; write <schema name=\"...\"> around the modules")
-    system = "".join(b.system or []).strip()
+    system = textwrap.dedent("".join(b.system or [])).strip()
     if not system:
         raise SchemaError(f"{path}, line {b.system_line or 1}: the schema has no system text; "
                           "write it in <system>...</system>")
-    schema = Schema(b.schema["name"], b.schema["mode"], textwrap.dedent(system).strip(), b.modules)
+    schema = Schema(b.schema["name"], b.schema["mode"], system, b.modules)
     _check_tree(schema, path)
     return schema
 

@@ -96,6 +96,7 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
         "size_bytes": Path(path).stat().st_size, "checksum": meta["checksum"], "checksum_ok": checksum_ok,
         "meta_checksum": meta.get("meta_checksum"), "checksum_problem": problem,
         "segments": meta["segments"],
+        "schema": meta.get("schema"),  # a prompt-module library's: name, mode, next_position
         "text_sha256": hashlib.sha256(meta["system_text"].encode()).hexdigest(),
         "text_start": meta["system_text"][:200],
     }
@@ -106,6 +107,10 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
                     "relay_version"):
             table.add_row(key, escape(str(info[key])))
         table.add_row("size", _human_bytes(info["size_bytes"]))
+        if info["schema"] is not None:
+            names = [seg["name"] for seg in meta["segments"][1:]]
+            table.add_row("modules", escape(f"{info['schema']['name']} ({info['schema']['mode']}): "
+                                            + ", ".join(names)))
         table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ")
                       + escape(meta["checksum"][:23]))
         if problem:

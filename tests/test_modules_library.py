@@ -236,3 +236,20 @@ def test_compile_prompt_refuses_a_malformed_schema_before_the_model_loads(tmp_pa
     result = CliRunner().invoke(app, ["compile-prompt", str(bad), "--model", "/no/such/model"])
     assert result.exit_code == 2
     assert "line 2: module 'b' is after 'a'" in result.output and "define the parent module first" in result.output
+
+
+def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
+    from pathlib import Path
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    lib = tmp_path / "support.relaykv"
+    runner = CliRunner()
+    result = runner.invoke(app, ["compile-prompt", str(examples / "support.pml"), "--out", str(lib), "--quiet"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "answers.jsonl"
+    result = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(out),
+                                 "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["m1", "m2", "m3", "m4", "m5", "m6"]
+    assert all(r["error"] is None and r["cached_tokens"] > 0 for r in rows[:5])
+    assert "alternatives of one union" in rows[5]["error"]
