@@ -60,7 +60,7 @@ def _rest_problem(rest) -> str | None:
     return None
 
 
-def segment_problem(meta: dict, max_positions: int | None = None) -> str | None:
+def segment_problem(meta: dict) -> str | None:
     """What is wrong with a format-2 library's segments and schema (None: nothing)."""
     schema, segments, num = meta.get("schema"), meta.get("segments"), len(meta["token_ids"])
     if not (isinstance(schema, dict) and set(schema) == {"name", "mode", "next_position"}
@@ -102,7 +102,5 @@ def segment_problem(meta: dict, max_positions: int | None = None) -> str | None:
             want_pos = parent["position"] + parent["end"] - parent["start"]
             if after != parent["after"] + [parent["name"]] or pos != want_pos or parent.get("rest"):
                 return f"segment {name!r} is not placed right after its parent chain"
-        if max_positions is not None and pos + end - start > max_positions:
-            return f"segment {name!r} reaches past position {max_positions}"
         seen[name] = seg
     return None

@@ -8,7 +8,8 @@ row of a path builds its prefix: `cold`; later rows reuse it: `warm`) and withou
 prefix, the same token sequence prefilled whole. `independent_agreement` compiles an
 independent library of two unions of documents, asks questions of one document beside
 another, takes full prefill's greedy answer, and teacher-forces it through the modules'
-KV: the share of answer tokens whose greedy choice is the same.
+KV: the share of answer tokens whose greedy choice is the same (`control_agreement`: the
+same teacher forcing over the whole sequence without modules, which should be 1).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def independent_agreement(loaded, docs_per_union: int = 6, answer_tokens: int = 
         full = Engine(loaded, [], EngineConfig(max_num_seqs=16, kv_cache_gb=0.25), record_token_ids=True)
         for _ in full.generate_tokens(reqs):
             pass
-        same = total = first = 0
+        same = total = first = control = 0
         num = len(art.token_ids)
         for i, (p, q) in enumerate(pairs):
             answer = full.token_ids_by_row[i]
@@ -179,5 +180,8 @@ def independent_agreement(loaded, docs_per_union: int = 6, answer_tokens: int = 
             picks = logits[len(own) - 1:].argmax(-1).tolist()
             hits = [a == b for a, b in zip(picks, answer)]
             same, total, first = same + sum(hits), total + len(hits), first + hits[0]
+            # the control: the same teacher forcing over the whole sequence, no modules
+            whole = forward_logits(loaded, reqs[i].own_ids + answer[:-1])[len(reqs[i].own_ids) - 1:].argmax(-1)
+            control += sum(a == b for a, b in zip(whole.tolist(), answer))
     return {"pairs": len(pairs), "answer_tokens": total, "agreement": same / total, "first_token_agreement":
-            first / len(pairs), "threads": torch.get_num_threads()}
+            first / len(pairs), "control_agreement": control / total, "threads": torch.get_num_threads()}
