@@ -2,9 +2,11 @@
 
 Tensors `layers.{i}.k` / `layers.{i}.v`, each [num_tokens, num_kv_heads, head_dim], keys
 after RoPE. All metadata is one JSON object under the safetensors metadata key "relay".
-Format 1 holds one segment, the system prompt at positions 0..S-1; `segments` already
-lists it by name and position range so that a later format can hold several (Prompt
-Cache modules) without changing how format-1 files read.
+Format 1 holds one segment, the system prompt at positions 0..S-1. Format 2, a prompt-module
+library (relaycli.modules), holds the system segment and then one segment per module, each
+with its rows, token ids, position range and what it was computed after
+(relaycli.segments); `token_ids` and `system_text` stay the system prompt's, so a library
+serves rows without modules as a format-1 artifact does.
 
 `checksum` covers the tensor bytes; `meta_checksum` covers the rest of the metadata (the
 canonical JSON of every other field), so that an edited system text or token list is
@@ -28,8 +30,11 @@ from pathlib import Path
 import torch
 
 from relaycli import __version__
+from relaycli.segments import num_rows, segment_problem, system_segment
 
 FORMAT_VERSION = 1
+LIBRARY_FORMAT_VERSION = 2
+FORMAT_VERSIONS = (FORMAT_VERSION, LIBRARY_FORMAT_VERSION)
 META_KEY = "relay"
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -71,6 +76,11 @@ class Artifact:
     def dtype(self) -> torch.dtype:
         return self.keys[0].dtype
 
+    @property
+    def is_library(self) -> bool:
+        """A prompt-module library (format 2): its KV rows past num_tokens are modules."""
+        return self.meta["format_version"] == LIBRARY_FORMAT_VERSION
+
 
 def _tensor_order(num_layers: int) -> list[str]:
     return [f"layers.{i}.{kv}" for i in range(num_layers) for kv in ("k", "v")]
@@ -87,11 +97,13 @@ def _umask() -> int:
     return mask
 
 
-def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tensor], meta: dict) -> int:
+def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tensor], meta: dict,
+                  modules: list[dict] | None = None) -> int:
     """Write atomically (temp file in the same folder, fsync, rename). Returns bytes written.
 
     meta: everything but format_version, relay_version, checksum, segments and
-    meta_checksum, which are filled in here."""
+    meta_checksum, which are filled in here. modules: a library's module segments
+    (format 2; meta then also holds "schema"), their rows after the system prompt's."""
     path = Path(path)
     tensors = {}
     for i, (k, v) in enumerate(zip(keys, values)):
@@ -100,9 +112,10 @@ def save_artifact(path: Path, keys: list[torch.Tensor], values: list[torch.Tenso
     digest = hashlib.sha256()
     for name in _tensor_order(len(keys)):
         digest.update(tensors[name].view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
-    full = dict(meta, format_version=FORMAT_VERSION, relay_version=__version__,
-                checksum="sha256:" + digest.hexdigest(),
-                segments=[{"name": "system", "start": 0, "end": len(meta["token_ids"])}])
+    library = modules is not None
+    full = dict(meta, format_version=LIBRARY_FORMAT_VERSION if library else FORMAT_VERSION,
+                relay_version=__version__, checksum="sha256:" + digest.hexdigest(),
+                segments=[system_segment(len(meta["token_ids"]), library)] + list(modules or []))
     # Digest what a reader will parse, not the caller's objects (tuples, non-str keys).
     full = json.loads(json.dumps(full))
     full["meta_checksum"] = _meta_digest(full)
@@ -175,9 +188,14 @@ def _check_meta(path: Path, meta: dict) -> None:
     ids = meta.get("token_ids")
     if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
         raise _wrong(path, meta, "token_ids", "a non-empty list of token ids")
-    segments = [{"name": "system", "start": 0, "end": len(ids)}]
-    if meta.get("segments") != segments:
-        raise _wrong(path, meta, "segments", f"{json.dumps(segments)}, the one segment of format {FORMAT_VERSION}")
+    if meta["format_version"] == LIBRARY_FORMAT_VERSION:
+        problem = segment_problem(meta)
+        if problem is not None:
+            raise _bad(path, problem)
+    else:
+        segments = [system_segment(len(ids), False)]
+        if meta.get("segments") != segments:
+            raise _wrong(path, meta, "segments", f"{json.dumps(segments)}, the one segment of format {FORMAT_VERSION}")
     if "meta_checksum" in meta and not isinstance(meta["meta_checksum"], str):
         raise _wrong(path, meta, "meta_checksum", "a string")
 
@@ -193,7 +211,7 @@ def _check_header(path: Path, header: dict, meta: dict) -> int:
     if len(header) != 2 * layers or sorted(header) != sorted(names := _tensor_order(layers)):
         raise ArtifactError(f"{path}: tensor list does not match its metadata (metadata field num_layers is "
                             f"{layers}, the header has {len(header)} tensors); recompile it")
-    shape = [len(meta["token_ids"]), meta["num_kv_heads"], meta["head_dim"]]
+    shape = [num_rows(meta), meta["num_kv_heads"], meta["head_dim"]]
     dtype = _BY_NAME[meta["dtype"]]
     st_dtype = _ST_DTYPES[dtype]
     nbytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
@@ -262,9 +280,9 @@ def read_artifact(path: Path, verify_checksum: bool = True) -> Artifact:
     if "format_version" not in meta:
         raise _bad(path, "metadata field format_version is missing")
     version = meta["format_version"]
-    if version != FORMAT_VERSION or not _is_int(version):
-        raise ArtifactError(f"{path}: artifact format {_short(version)} is not the format this relay reads "
-                            f"({FORMAT_VERSION}); recompile it with this relay version")
+    if version not in FORMAT_VERSIONS or not _is_int(version):
+        raise ArtifactError(f"{path}: artifact format {_short(version)} is not a format this relay reads "
+                            f"({', '.join(map(str, FORMAT_VERSIONS))}); recompile it with this relay version")
     _check_meta(path, meta)
     nbytes = _check_header(path, header, meta)
     names = _tensor_order(meta["num_layers"])
@@ -285,7 +303,7 @@ def read_artifact(path: Path, verify_checksum: bool = True) -> Artifact:
             if max(st.st_mtime_ns, st.st_ctime_ns) < started - _RACY_NS:
                 _verified[key] = meta["checksum"]
     dtype = _BY_NAME[meta["dtype"]]
-    shape = (len(meta["token_ids"]), meta["num_kv_heads"], meta["head_dim"])
+    shape = (num_rows(meta), meta["num_kv_heads"], meta["head_dim"])
     count = shape[0] * shape[1] * shape[2]
     tensors = {}
     for i, name in enumerate(names):

@@ -79,30 +79,43 @@ def shared_prefix_ids(tokenizer, system_text: str) -> list[int]:
 
 @torch.inference_mode()
 def prefill_kv(loaded: LoadedModel, token_ids: list[int], chunk_size: int = 512,
-               progress: Callable[[int, int], None] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K (post-RoPE) and V [S, Hkv, D] of the prompt at positions 0..S-1."""
+               progress: Callable[[int, int], None] | None = None,
+               context: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+               first_position: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K (post-RoPE) and V [S, Hkv, D] of the prompt at positions 0..S-1.
+
+    context: per-layer K and V [C, Hkv, D] that every token also attends to (a prompt
+    module's system prompt and parent chain); first_position: the first token's position.
+    Only the new tokens' K and V are returned."""
     model, cfg = loaded.model, loaded.config
+    ctx = 0 if context is None else context[0][0].shape[0]
     num = len(token_ids)
-    shape = (num, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (ctx + num, cfg.num_key_value_heads, cfg.head_dim)
     keys = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_hidden_layers)]
     values = [torch.empty_like(k) for k in keys]
+    if context is not None:
+        for layer in range(cfg.num_hidden_layers):
+            keys[layer][:ctx] = context[0][layer]
+            values[layer][:ctx] = context[1][layer]
     scale = cfg.head_dim ** -0.5
     attend_lse = cpu_flash.fused_attention_lse if default_impl(model.device) == "cpu-flash" else attention_lse
     ids = torch.tensor(token_ids, dtype=torch.int64, device=model.device)
     for start in range(0, num, chunk_size):
         end = min(start + chunk_size, num)
-        mask = (torch.arange(end, device=model.device)[None, :]
-                <= torch.arange(start, end, device=model.device)[:, None])[None]
+        mask = (torch.arange(ctx + end, device=model.device)[None, :]
+                <= torch.arange(ctx + start, ctx + end, device=model.device)[:, None])[None]
 
-        def attend(layer, q, k, v, start=start, end=end, mask=mask):
-            keys[layer][start:end] = k
-            values[layer][start:end] = v
-            o, _ = attend_lse(q[None], keys[layer][None, :end], values[layer][None, :end], scale, mask)
+        def attend(layer, q, k, v, lo=ctx + start, hi=ctx + end, mask=mask):
+            keys[layer][lo:hi] = k
+            values[layer][lo:hi] = v
+            o, _ = attend_lse(q[None], keys[layer][None, :hi], values[layer][None, :hi], scale, mask)
             return o[0]
 
-        model(ids[start:end], torch.arange(start, end, device=model.device), attend)
+        model(ids[start:end], torch.arange(first_position + start, first_position + end, device=model.device), attend)
         if progress is not None:
             progress(end, num)
+    if context is not None:
+        return [k[ctx:] for k in keys], [v[ctx:] for v in values]
     return keys, values
 
 

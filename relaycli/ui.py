@@ -42,6 +42,8 @@ def compile_with_progress(sys_txts: list[Path], model: str | None, out: Path | N
     the model loads once for all of them."""
     from relaycli.models.registry import load_model
     from relaycli.compile import compile_prompt, read_system_text
+    from relaycli.module_compile import compile_library
+    from relaycli.modules import is_schema_file, read_schema
     from relaycli.io.writer import OutputError, check_writable, same_file
 
     if out is not None and len(sys_txts) > 1:
@@ -59,13 +61,15 @@ def compile_with_progress(sys_txts: list[Path], model: str | None, out: Path | N
             raise OutputError(f"{target} exists and is not a .relaykv artifact; remove it or choose another --out")
         if any(same_file(target, t) for _, t, _ in jobs):
             raise OutputError(f"two prompt files would both be compiled to {target}; rename one")
-        jobs.append((sys_txt, target, read_system_text(sys_txt)))
+        # a schema (prompt modules) is parsed here: a malformed one is refused before the model loads
+        jobs.append((sys_txt, target, read_schema(sys_txt) if is_schema_file(sys_txt) else read_system_text(sys_txt)))
     loaded = load_model(model, dtype, device)
     for sys_txt, target, text in jobs:
         with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                       TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
             task = bar.add_task("compile", total=None)
-            result = compile_prompt(loaded, text, target, progress=lambda done, total: bar.update(
+            compile_fn = compile_prompt if isinstance(text, str) else compile_library
+            result = compile_fn(loaded, text, target, progress=lambda done, total: bar.update(
                 task, completed=done, total=total))
         if not quiet:
             console.print(f"[green]wrote[/green] {escape(str(result.path))}: {result.num_tokens} tokens, "
@@ -92,6 +96,7 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
         "size_bytes": Path(path).stat().st_size, "checksum": meta["checksum"], "checksum_ok": checksum_ok,
         "meta_checksum": meta.get("meta_checksum"), "checksum_problem": problem,
         "segments": meta["segments"],
+        "schema": meta.get("schema"),  # a prompt-module library's: name, mode, next_position
         "text_sha256": hashlib.sha256(meta["system_text"].encode()).hexdigest(),
         "text_start": meta["system_text"][:200],
     }
@@ -102,6 +107,10 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
                     "relay_version"):
             table.add_row(key, escape(str(info[key])))
         table.add_row("size", _human_bytes(info["size_bytes"]))
+        if info["schema"] is not None:
+            names = [seg["name"] for seg in meta["segments"][1:]]
+            table.add_row("modules", escape(f"{info['schema']['name']} ({info['schema']['mode']}): "
+                                            + ", ".join(names)))
         table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ")
                       + escape(meta["checksum"][:23]))
         if problem:

@@ -165,8 +165,8 @@ def _rewrite_meta(path, tmp_path, reseal=True, **changes):
 
 
 def test_other_format_version_is_refused(compiled, tmp_path):
-    bad = _rewrite_meta(compiled[0], tmp_path, format_version=2)
-    with pytest.raises(ArtifactError, match="format 2"):
+    bad = _rewrite_meta(compiled[0], tmp_path, format_version=3)
+    with pytest.raises(ArtifactError, match="format 3 is not a format this relay reads"):
         read_artifact(bad)
 
 

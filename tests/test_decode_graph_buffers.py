@@ -108,12 +108,13 @@ def test_decode_rows_are_each_rows_position_slot_and_context():
         for i in range(50):
             prefix = rng.choice([0, rng.randrange(1, 5000)])
             seq = Sequence(i, [1] * rng.randint(1, 300), SamplingOptions(max_tokens=8), num_prefix_tokens=prefix,
-                           prefix_slot=None if prefix == 0 else rng.randrange(4), output_ids=[2] * rng.randint(0, 200))
+                           prefix_slot=None if prefix == 0 else rng.randrange(4), output_ids=[2] * rng.randint(0, 200),
+                           first_position=rng.choice([None, rng.randrange(0, 4000)]))  # a module row's own positions
             seq.block_table = rng.sample(range(10 ** 5), -(-seq.num_own_tokens // block_size))
             seqs.append(seq)
         rows = decode_rows(seqs, block_size)
         last = [s.num_own_tokens - 1 for s in seqs]
-        assert rows[0].tolist() == [s.num_prefix_tokens + i for s, i in zip(seqs, last)]
+        assert rows[0].tolist() == [s.position_base + i for s, i in zip(seqs, last)]
         assert rows[1].tolist() == [s.slot(i, block_size) for s, i in zip(seqs, last)]
         assert rows[2].tolist() == [s.num_own_tokens for s in seqs]
 

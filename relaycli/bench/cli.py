@@ -6,6 +6,7 @@
     relay bench e2e --through-run   the same rows through `relay run`, beside the engine alone
     relay bench volume [...]    rows/s and peak memory of `relay run` as the row count grows
     relay bench soak [...]      a job stopped and resumed again and again; outputs as uninterrupted
+    relay bench modules [...]   prompt modules: TTFT against full prefill, independent agreement
 
 Options left out take defaults that depend on the device (small on CPU).
 """
@@ -363,3 +364,28 @@ def show_cmd(
             else:
                 _out().print(kernels_table(rep))
         _save(reports, json_path, plot_path, False)
+
+
+@bench_app.command("modules")
+def modules_cmd(
+    module_tokens: int = typer.Option(3000, "--module-tokens", help="Tokens of the modules a timed row names (one path of 3)."),
+    docs_per_union: int = typer.Option(6, "--docs-per-union", help="Independent agreement: documents per union; pairs = this squared x 3."),
+    answer_tokens: int = typer.Option(16, "--answer-tokens", help="Independent agreement: greedy answer tokens a pair."),
+    threads: Optional[int] = _THREADS,
+    json_path: Optional[Path] = _JSON,
+) -> None:
+    """Prompt modules on the default model (fp32, CPU): time to first token with a library
+    vs full prefill of the same tokens; independent modules' teacher-forced greedy agreement."""
+    import json
+
+    from relaycli.bench.modules import independent_agreement, ttft
+    from relaycli.io.parts import write_json
+    from relaycli.models.registry import load_model
+    with _refusals(threads):
+        _check_outputs(json_path, None)
+        loaded = load_model(None, "float32", "cpu")
+        report = {"kind": "modules", "ttft": ttft(loaded, module_tokens),
+                  "independent": independent_agreement(loaded, docs_per_union, answer_tokens)}
+        _out().print(json.dumps(report, indent=2), highlight=False)
+        if json_path is not None:
+            write_json(json_path, report)

@@ -282,7 +282,7 @@ def decode_rows(seqs: list[Sequence], block_size: int) -> np.ndarray:
     rows = np.empty((3, n), dtype=np.int64)
     rows[2] = [s.num_own_tokens for s in seqs]
     last = rows[2] - 1  # the own index of the token each row feeds in
-    rows[0] = np.fromiter((s.num_prefix_tokens for s in seqs), dtype=np.int64, count=n) + last
+    rows[0] = np.fromiter((s.position_base for s in seqs), dtype=np.int64, count=n) + last
     blocks = np.fromiter((s.block_table[i] for s, i in zip(seqs, (last // block_size).tolist())),
                          dtype=np.int64, count=n)
     rows[1] = blocks * block_size + last % block_size

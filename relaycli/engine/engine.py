@@ -18,11 +18,13 @@ from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
 from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
+from relaycli.engine.module_prefixes import ModulePrefixes
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.engine.stats import EngineStats
 from relaycli.engine.stops import StopWatch, first_stop
 from relaycli.io.requests import RequestRow, ResultRow
+from relaycli.module_rows import ModulePick
 from relaycli.prompts import PromptError, PromptMatcher
 
 
@@ -39,6 +41,7 @@ class TokenRequest:
     sampling: SamplingOptions
     prefix_slot: int | None = None
     url: str | None = None
+    module_pick: ModulePick | None = None  # prompt modules: the prefix is built on admission
 
 
 @contextmanager
@@ -81,7 +84,11 @@ class Engine:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.artifacts = list(artifacts)
-        self.runner = ModelRunner(loaded, [PrefixKV(a.keys, a.values) for a in self.artifacts], self.config)
+        # a module library's rows past its system prompt are modules (relaycli.engine.module_prefixes)
+        self.runner = ModelRunner(loaded, [PrefixKV([k[:len(a.token_ids)] for k in a.keys],
+                                                    [v[:len(a.token_ids)] for v in a.values])
+                                           for a in self.artifacts], self.config)
+        self.modules = ModulePrefixes(self.artifacts, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.matcher = PromptMatcher(loaded.tokenizer, self.artifacts) if loaded.tokenizer else None
@@ -103,8 +110,12 @@ class Engine:
         if self.matcher is None:
             return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: this model has no tokenizer "
                                     "(dummy weights); send token ids through Engine.generate_tokens", row.url)
+        pick = None
         try:
-            prepared = self.matcher.prepare(row.messages, row.system_prompt)
+            if self.modules.wants(row):
+                prepared, pick = self.modules.prepare(self.matcher, self.loaded.tokenizer, row)
+            else:
+                prepared = self.matcher.prepare(row.messages, row.system_prompt)
         except PromptError as exc:
             return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer failure is this row's alone
@@ -122,23 +133,30 @@ class Engine:
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             seed=sp.seed if sp.seed is not None else row.row_index, stop=tuple(sp.stop),
             ignore_eos=sp.ignore_eos)
+        if pick is not None:
+            return TokenRequest(row.row_index, row.id, list(pick.extra_ids) + prepared.own_ids, opts, None, row.url,
+                                pick)
         return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
         """Queue a request, or return its error row when it can never run."""
-        prefix_len = 0 if req.prefix_slot is None else self.runner.prefixes[req.prefix_slot].num_tokens
-        num_prompt = prefix_len + len(req.own_ids)
-        if num_prompt >= self.max_context:
-            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt has {num_prompt} "
-                                    f"tokens, the model's context is {self.max_context}; shorten it", req.url)
+        slot, first_position = req.prefix_slot, None
+        if req.module_pick is not None:
+            slot, first_position = self.modules.slot(req.module_pick), req.module_pick.next_position
+        prefix_len = 0 if slot is None else self.runner.prefixes[slot].num_tokens
+        end = (prefix_len if first_position is None else first_position) + len(req.own_ids)  # positions
+        if end >= self.max_context:
+            size = f"has {end} tokens" if first_position is None else f"reaches position {end}"
+            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt {size}, "
+                                    f"the model's context is {self.max_context}; shorten it", req.url)
         if not req.own_ids:
             what = "is empty" if prefix_len == 0 else f"has no token after its {prefix_len}-token shared prefix"
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt {what}; "
                                     "add the request's own text", req.url)
         opts = req.sampling
-        max_new = min(opts.max_tokens, self.max_context - num_prompt)
-        seq = Sequence(next(self._seq_ids), req.own_ids, opts, prefix_len, req.prefix_slot,
-                       arrival_time=time.perf_counter())
+        max_new = min(opts.max_tokens, self.max_context - end)
+        seq = Sequence(next(self._seq_ids), req.own_ids, opts, prefix_len, slot,
+                       arrival_time=time.perf_counter(), first_position=first_position)
         if not self.scheduler.fits_ever(seq, max_new):
             return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: prompt plus max_tokens needs "
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
@@ -218,7 +236,7 @@ class Engine:
         if seqs:
             launched = self.runner.launch(seqs, is_prefill, self._pending)
             for seq in seqs:
-                if seq.num_completion_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_context:
+                if seq.num_completion_tokens >= seq.sampling.max_tokens or seq.position_end >= self.max_context:
                     seq.finish_reason = "length"  # unless its last token turns out to stop it first
                     self.scheduler.finish(seq)
         if self._pending is not None:

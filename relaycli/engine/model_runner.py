@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from relaycli.kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
-from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes, PrefixGroup
 from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
@@ -103,6 +103,30 @@ class ModelRunner:
             from relaycli.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self, config.max_num_seqs, scratch_block=self.num_blocks)
 
+    def add_prefix(self, prefix: PrefixKV) -> int:
+        """Load one more shared prefix while the engine runs (a prompt-module path); its slot.
+
+        Where the prefixes live in one store (Triton), the store is rebuilt, and captured
+        decode graphs, which name the old store, are dropped to be captured again."""
+        pairs = [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+                 for k, v in zip(prefix.keys, prefix.values)]
+        layers = self.attention.prefix_layers
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no launched step still reads the old store
+        for i, pair in enumerate(pairs):
+            if self.attention_impl == "triton":
+                layers[i] = LayerPrefixes.stored(list(layers[i]) + [pair])
+            else:
+                layers[i].append(pair)
+        self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])
+                            for s in range(len(layers[0]))]
+        if self.graphs is not None:
+            from relaycli.engine.cuda_graph import DecodeGraphs
+            old = self.graphs
+            self.graphs = DecodeGraphs(self, old.max_bs, scratch_block=self.num_blocks)
+            self.graphs.num_captures, self.graphs.capture_seconds = old.num_captures, old.capture_seconds
+        return len(self.prefixes) - 1
+
     def bytes_per_block(self) -> int:
         return (2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim
                 * self.dtype.itemsize)
@@ -148,7 +172,7 @@ class ModelRunner:
             end = seq.num_own_tokens
             # A decode step needs only the last token: no copy of the whole sequence per step.
             input_ids.extend(seq.own_ids()[start:end] if is_prefill else [seq.last_token])
-            positions.extend(range(seq.num_prefix_tokens + start, seq.num_prefix_tokens + end))
+            positions.extend(range(seq.position_base + start, seq.position_base + end))
             slots.extend(seq.slot(i, self.block_size) for i in range(start, end))
             cu.append(cu[-1] + end - start)
         max_blocks = max(len(s.block_table) for s in seqs)

@@ -44,7 +44,9 @@ class SamplingOptions:
 class Sequence:
     """The rendered prompt is a loaded shared prefix of num_prefix_tokens tokens (prefix_slot),
     whose KV lives outside the paged cache and whose ids the sequence does not hold, then
-    the sequence's *own* prompt ids: own token i sits at position num_prefix_tokens + i."""
+    the sequence's *own* prompt ids: own token i sits at position position_base + i, which
+    is num_prefix_tokens + i unless first_position says otherwise (independent prompt
+    modules, whose positions leave gaps)."""
 
     seq_id: int
     own_prompt_ids: list[int]
@@ -58,6 +60,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival_time: float = 0.0  # perf_counter when admitted
     first_token_time: float | None = None  # perf_counter when its first token was sampled
+    first_position: int | None = None  # the position of own token 0; None: num_prefix_tokens
 
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):
@@ -72,6 +75,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return self.num_prefix_tokens + len(self.own_prompt_ids) + len(self.output_ids)
+
+    @property
+    def position_base(self) -> int:
+        return self.num_prefix_tokens if self.first_position is None else self.first_position
+
+    @property
+    def position_end(self) -> int:
+        """One past the position of the last token: what the model's context bounds."""
+        return self.position_base + len(self.own_prompt_ids) + len(self.output_ids)
 
     @property
     def num_own_tokens(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaycli.errors import ConfigError
+from relaycli.io.module_field import parse_modules as _modules
 
 FINISH_REASONS = ("stop", "length", "error")
 ROLES = ("system", "user", "assistant")
@@ -148,10 +149,17 @@ class RequestRow:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     is_openai: bool = False
     url: str | None = None  # the OpenAI endpoint, so the writer can shape its answer
+    # prompt modules: [{"name": module, parameter: value, ...}] of a loaded library
+    modules: list[dict] | None = None
+    schema: str | None = None  # names the library (its schema's or its file's name)
 
     def __post_init__(self) -> None:
         if not _is_int(self.row_index) or self.row_index < 0:
             raise ValueError(f"row_index must be an integer >= 0, got {_show(self.row_index)}")
+        if self.modules is not None:
+            self.modules = _modules(self.modules)
+        if self.schema is not None and (not _is_text(self.schema) or not self.schema):
+            raise ValueError(f"schema must be a non-empty string, got {_show(self.schema)}")
         if not isinstance(self.id, str):
             raise ValueError(f"id must be a string, got {_show(self.id)}")
         check_messages(self.messages)
@@ -351,6 +359,16 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
         raise _RowError(f"'system_prompt' must be the name of a loaded prompt artifact, got {_show(system_prompt)}")
     if system_prompt is not None and messages[0]["role"] == "system":
         raise _RowError("has both 'system_prompt' and a system message; keep one of them")
+    modules, schema = src.get("modules"), src.get("schema")
+    if schema is not None and (not _is_text(schema) or not schema):
+        raise _RowError(f"'schema' must be the name of a loaded module library, got {_show(schema)}")
+    if schema is not None and system_prompt is not None:
+        raise _RowError("has both 'schema' and 'system_prompt'; keep one of them (a library brings its system text)")
+    if modules is not None:
+        try:
+            modules = _modules(modules)
+        except ValueError as e:
+            raise _RowError(f"{e}; fix the list") from None
     max_tokens = _opt(src, "max_tokens", True)
     alias = _opt(src, "max_completion_tokens", True)
     if max_tokens is not None and alias is not None and alias != max_tokens:
@@ -371,7 +389,7 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
         name, _, rest = str(e).partition(" ")
         raise _RowError(f"'{name}' {rest}; fix the value or leave the field out to use the default") from None
     return RequestRow(row_index=row_index, id=row_id, messages=messages, system_prompt=system_prompt,
-                      sampling=sampling, is_openai=is_openai, url=url)
+                      sampling=sampling, is_openai=is_openai, url=url, modules=modules, schema=schema)
 
 
 def parse_request(raw: dict | None, row_index: int,

@@ -1,0 +1,81 @@
+"""Rows that name prompt modules: their library, their token ids, and their shared prefix.
+
+A row's shared prefix is its library's system KV followed by its chosen modules' KV, one
+loaded prefix per distinct path, built the first time a row of the job needs it and kept
+for the job: the rows of one path form one prefix group, its KV read once per step for
+all of them, by the same machinery as several `--prompt` artifacts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relaycli.engine.model_runner import ModelRunner, PrefixKV
+from relaycli.io.requests import RequestRow
+from relaycli.module_rows import Library, ModulePick
+from relaycli.prompts import PreparedPrompt, PromptError, PromptMatcher
+
+
+class ModulePrefixes:
+    def __init__(self, artifacts: list, runner: ModelRunner) -> None:
+        self.artifacts, self.runner = artifacts, runner
+        self.libraries = [Library(i, a.name, a.meta) for i, a in enumerate(artifacts) if getattr(a, "is_library", False)]
+        self.by_name: dict[str, Library] = {}
+        for lib in self.libraries:  # a file's name first: it is what --prompt shows
+            self.by_name.setdefault(lib.file_name, lib)
+        for lib in self.libraries:
+            self.by_name.setdefault(lib.name, lib)
+        self.slots: dict[tuple[int, tuple[str, ...]], int] = {}  # (library, path) -> loaded prefix
+        self.built = 0
+
+    @staticmethod
+    def wants(row: RequestRow) -> bool:
+        return getattr(row, "modules", None) is not None or getattr(row, "schema", None) is not None
+
+    def _library(self, row: RequestRow) -> Library:
+        if row.schema is not None:
+            lib = self.by_name.get(row.schema)
+            if lib is None:
+                loaded = ", ".join(sorted(self.by_name)) or "none"
+                raise PromptError(f"schema {row.schema!r} names no loaded module library (loaded: {loaded}); "
+                                  "pass the library with --prompt or fix the name")
+            return lib
+        if len(self.libraries) != 1:
+            if not self.libraries:
+                raise PromptError("the row names modules and no module library is loaded; compile the schema "
+                                  "with `relay compile-prompt SCHEMA.pml` and pass it with --prompt")
+            names = ", ".join(lib.file_name for lib in self.libraries)
+            raise PromptError(f"the row names modules and several libraries are loaded ({names}); name one in "
+                              "'schema'")
+        return self.libraries[0]
+
+    def prepare(self, matcher: PromptMatcher, tokenizer, row: RequestRow) -> tuple[PreparedPrompt, ModulePick | None]:
+        """The row's own ids (after its library's system prefix) and its modules; PromptError
+        when the row and its library do not fit together."""
+        lib = self._library(row)
+        art = self.artifacts[lib.slot]
+        messages = row.messages
+        if messages[0]["role"] == "system":
+            if messages[0]["content"] != art.system_text:
+                raise PromptError(f"the row's system message is not the system text of library {lib.name!r}; "
+                                  "remove it (the library brings its own)")
+            messages = messages[1:]
+        prepared = matcher.prepare(messages, art.name)
+        if prepared.prefix_slot != lib.slot:
+            raise PromptError(f"the row's chat does not start with the system prefix of library {lib.name!r} "
+                              "once rendered; give the chat without a system message")
+        if not row.modules:
+            return prepared, None
+        return prepared, lib.pick(tokenizer, row.modules)
+
+    def slot(self, pick: ModulePick) -> int:
+        """The loaded prefix of a path, built on its first use (on the engine's thread)."""
+        key = (pick.library, pick.path)
+        if key not in self.slots:
+            art = self.artifacts[pick.library]
+            rows = next(lib for lib in self.libraries if lib.slot == pick.library).rows(pick.path)
+            keys = [torch.cat([k[a:b] for a, b in rows]) for k in art.keys]
+            values = [torch.cat([v[a:b] for a, b in rows]) for v in art.values]
+            self.slots[key] = self.runner.add_prefix(PrefixKV(keys, values))
+            self.built += 1
+        return self.slots[key]

@@ -1,0 +1,60 @@
+"""Prompt-module rows on CUDA: the Triton kernels and decode graphs read the prefixes that
+module paths add while the job runs (each addition rebuilds the prefix store and drops the
+captured graphs), and give the tokens of the CPU engine, which the CPU tests hold equal to
+transformers. CUDA only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from relaycli.compile import load_checked  # noqa: E402
+from relaycli.config import EngineConfig  # noqa: E402
+from relaycli.engine.engine import Engine  # noqa: E402
+from relaycli.io.requests import parse_request  # noqa: E402
+from relaycli.models.registry import load_model  # noqa: E402
+from relaycli.module_compile import compile_library  # noqa: E402
+from relaycli.modules import parse_schema  # noqa: E402
+
+SCHEMA = """<schema name="shop">
+  <system>You answer questions about the Lumen shop in one sentence.</system>
+  <module name="policy">Refunds need the receipt and are paid within 14 days.</module>
+  <module name="contract" after="policy">Contract 17: Harbor Bakery rents two printers.</module>
+  <module name="clause" after="contract">Clause A: a broken printer is replaced in two days.</module>
+  <union>
+    <module name="basic" after="policy">Basic plan for <parameter name="months" len="3"/> months, email only.</module>
+    <module name="pro" after="policy">Pro plan, phone support every day.</module>
+  </union>
+</schema>"""
+
+RAWS = [{"prompt": "How long do refunds take?", "modules": ["contract", "policy"]},
+        {"prompt": "Who are you?", "schema": "shop"},
+        {"prompt": "When is a broken printer replaced?", "modules": ["policy", "contract", "clause"]},
+        {"prompt": "Can I phone you?", "modules": ["policy", "pro"]},
+        {"prompt": "How long is my plan?", "modules": ["policy", {"name": "basic", "months": "6"}]},
+        {"prompt": "Do you sell paper?", "modules": ["policy", "pro"]},
+        {"prompt": "Is the printer fixed soon?", "modules": ["policy", "contract", "clause"]}]
+
+
+def _tokens(loaded, library, **config):
+    art = load_checked(library, loaded)
+    # two rows at a time: later rows' paths are added while earlier rows decode in graphs
+    engine = Engine(loaded, [art], EngineConfig(max_num_seqs=2, kv_cache_gb=0.2, **config), record_token_ids=True)
+    rows = [parse_request(dict(r, max_tokens=12, temperature=0), i) for i, r in enumerate(RAWS)]
+    results = {r.row_index: r for r in engine.generate(rows)}
+    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
+    return engine, [engine.token_ids_by_row[i] for i in range(len(RAWS))]
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_module_rows_on_cuda_give_the_cpu_engines_tokens(default_model, relay_cache_dir, tmp_path, relay):
+    library = tmp_path / "shop.relaykv"
+    compile_library(default_model, parse_schema(SCHEMA, tmp_path / "shop.pml"), library)
+    _, want = _tokens(default_model, library, relay=relay)
+    gpu = load_model(None, dtype="float32", device="cuda")
+    engine, got = _tokens(gpu, library, relay=relay, attention_impl="triton", cuda_graphs=True)
+    assert engine.modules.built == 4
+    assert engine.stats.graphed_decode_steps > 0
+    assert got == want

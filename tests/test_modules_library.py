@@ -1,0 +1,255 @@
+"""Prompt-module libraries on the default model: the artifact (round trip, refusals), rows
+that name modules (exact ones token-identical to transformers on the same token sequence,
+independent ones to a plain PyTorch forward at the schema's positions), and bad rows."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from relaycli.artifact import ArtifactError, ChecksumError, read_artifact
+from relaycli.bench.modules import forward_logits, library_prefix, sequence_ids
+from relaycli.cli import app
+from relaycli.compile import load_checked, prefill_kv
+from relaycli.config import EngineConfig
+from relaycli.engine.engine import Engine
+from relaycli.io.requests import parse_request
+from relaycli.module_compile import compile_library
+from relaycli.modules import parse_schema
+
+transformers = pytest.importorskip("transformers")
+
+EXACT = """<schema name="shop">
+  <system>You answer questions about the Lumen shop in one sentence.</system>
+  <module name="policy">Refunds need the receipt and are paid within 14 days.</module>
+  <module name="contract" after="policy">Contract 17: Harbor Bakery rents two printers.</module>
+  <module name="clause" after="contract">Clause A: a broken printer is replaced in two days.</module>
+  <union>
+    <module name="basic" after="policy">Basic plan for <parameter name="months" len="3"/> months, email only.</module>
+    <module name="pro" after="policy">Pro plan, phone support every day.</module>
+  </union>
+</schema>"""
+
+INDEPENDENT = """<schema name="towns" mode="independent">
+  <system>You answer questions about towns in one sentence.</system>
+  <union>
+    <module name="ostby">Ostby lies on the river Amber. Its mayor is Ada Moss.</module>
+    <module name="kelrim">Kelrim lies on the river Silt and exports salt to the coast.</module>
+  </union>
+  <module name="falgor">Falgor lies on the river Reed. Its mayor is Ben Holt.</module>
+</schema>"""
+
+TOKENS = 8
+
+
+def _compile(default_model, tmp_path_factory, text: str, name: str):
+    path = tmp_path_factory.mktemp("lib") / f"{name}.relaykv"
+    compile_library(default_model, parse_schema(text, path.with_suffix(".pml")), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exact(default_model, tmp_path_factory):
+    return _compile(default_model, tmp_path_factory, EXACT, "shop")
+
+
+@pytest.fixture(scope="module")
+def independent(default_model, tmp_path_factory):
+    return _compile(default_model, tmp_path_factory, INDEPENDENT, "towns")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from relaycli.models.registry import default_gguf_path
+    gguf = default_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    return model.eval()
+
+
+def _rows(raws):
+    return [parse_request(dict(r, max_tokens=TOKENS, temperature=0), i) for i, r in enumerate(raws)]
+
+
+def test_a_library_round_trips_with_segments_and_exact_kv(default_model, exact):
+    art = read_artifact(exact)
+    assert art.is_library and art.meta["format_version"] == 2
+    segs = {s["name"]: s for s in art.meta["segments"]}
+    assert list(segs) == ["system", "policy", "contract", "clause", "basic", "pro"]
+    assert art.meta["schema"] == {"name": "shop", "mode": "exact", "next_position": None}
+    assert segs["clause"]["after"] == ["system", "policy", "contract"]
+    assert segs["basic"]["position"] == segs["pro"]["position"] == segs["contract"]["position"]
+    assert [item.get("parameter") for item in segs["basic"]["rest"]] == ["months", None]
+    # the clause's KV is that of the whole chain prefilled at once, at the clause's rows
+    path = ("policy", "contract", "clause")
+    ids = art.token_ids + [t for n in path for t in segs[n]["token_ids"]]
+    keys, values = prefill_kv(default_model, ids)
+    prefix = library_prefix(art, path)
+    for i in range(default_model.config.num_hidden_layers):
+        for got, want in ((prefix[0][i], keys[i]), (prefix[1][i], values[i])):
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, i
+
+
+def _hf_greedy(hf_model, ids):
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=TOKENS, do_sample=False, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_exact_module_rows_match_transformers_on_the_same_tokens(default_model, exact, hf_model, relay):
+    art = load_checked(exact, default_model)
+    raws = [{"prompt": "How long do refunds take?", "modules": ["contract", "policy"]},
+            {"prompt": "When is a broken printer replaced?", "modules": ["policy", "contract", "clause"]},
+            {"prompt": "Can I phone you?", "modules": ["policy", "pro"]},
+            {"prompt": "How long is my plan?", "modules": ["policy", {"name": "basic", "months": "6"}]},
+            {"prompt": "Who are you?", "schema": "shop"}]
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=8, kv_cache_gb=0.1, relay=relay),
+                    record_token_ids=True)
+    results = {r.row_index: r for r in engine.generate(_rows(raws))}
+    tok = default_model.tokenizer
+    segs = {s["name"]: s for s in art.meta["segments"][1:]}
+    paths = [("policy", "contract"), ("policy", "contract", "clause"), ("policy", "pro"), ("policy", "basic"), ()]
+    for i, (raw, path) in enumerate(zip(raws, paths)):
+        ids = sequence_ids(default_model, art, path, raw["prompt"])
+        if i == 3:  # the parameter's value and the module's text after it come before the row's own tokens
+            cut = len(art.token_ids) + len(segs["policy"]["token_ids"]) + len(segs["basic"]["token_ids"])
+            ids = ids[:cut] + tok.encode("6") + segs["basic"]["rest"][1]["ids"] + ids[cut:]
+        r = results[i]
+        assert r.error is None and r.prompt_tokens == len(ids)
+        assert r.cached_tokens == len(art.token_ids) + sum(len(segs[n]["token_ids"]) for n in path)
+        want = _hf_greedy(hf_model, ids)
+        assert engine.token_ids_by_row[i] == want[:len(engine.token_ids_by_row[i])], (i, r.text, tok.decode(want))
+    assert engine.modules.built == 4  # one prefix per distinct path; the row without modules uses the library's
+
+
+def test_bad_module_rows_are_error_rows_and_the_job_goes_on(default_model, exact):
+    art = load_checked(exact, default_model)
+    raws = [{"prompt": "q", "modules": ["nope"]},
+            {"prompt": "q", "modules": ["policy", "basic", "pro"]},
+            {"prompt": "q", "modules": ["policy", {"name": "basic", "months": "one two three four five six"}]},
+            {"prompt": "q", "modules": ["policy", "basic"]},
+            {"prompt": "q", "modules": ["policy", {"name": "pro", "months": "2"}]},
+            {"prompt": "q", "modules": ["clause"]},
+            {"prompt": "q", "modules": ["policy", "contract", "pro"]},
+            {"prompt": "q", "modules": ["policy"], "schema": "other"},
+            {"messages": [{"role": "system", "content": "Another system text."}, {"role": "user", "content": "q"}],
+             "modules": ["policy"]},
+            {"prompt": "fine", "modules": ["policy"]}]
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=8, kv_cache_gb=0.1))
+    results = {r.row_index: r for r in engine.generate(_rows(raws))}
+    errors = [results[i].error for i in range(len(raws) - 1)]
+    expected = ["module 'nope' is not in library 'shop'", "'basic' and 'pro' are alternatives of one union",
+                "parameter 'months' of module 'basic' is", "module 'basic' needs parameter 'months'",
+                "module 'pro' has no parameter 'months' (it has none)", "add 'contract'",
+                "'contract' and 'pro' are on different branches", "schema 'other' names no loaded module library",
+                "system message is not the system text of library 'shop'"]
+    for i, (got, want) in enumerate(zip(errors, expected)):
+        assert got is not None and got.startswith(f"row {i}: ") and want in got, (i, got)
+    assert results[len(raws) - 1].finish_reason in ("stop", "length")
+
+
+def test_independent_rows_take_the_schema_positions(default_model, independent):
+    art = load_checked(independent, default_model)
+    meta = art.meta
+    segs = {s["name"]: s for s in meta["segments"][1:]}
+    assert segs["ostby"]["position"] == segs["kelrim"]["position"] == len(art.token_ids)
+    assert segs["falgor"]["position"] == len(art.token_ids) + max(len(segs[n]["token_ids"]) for n in ("ostby", "kelrim"))
+    nxt = meta["schema"]["next_position"]
+    assert nxt == segs["falgor"]["position"] + len(segs["falgor"]["token_ids"])
+    raws = [{"prompt": "Who is the mayor of Falgor?", "modules": ["falgor", "kelrim"]},
+            {"prompt": "Which river does Ostby lie on?", "modules": ["ostby"]}]
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=8, kv_cache_gb=0.1), record_token_ids=True)
+    results = {r.row_index: r for r in engine.generate(_rows(raws))}
+    for i, path in enumerate([("kelrim", "falgor"), ("ostby",)]):
+        prefix = library_prefix(art, path)
+        own = sequence_ids(default_model, art, (), raws[i]["prompt"])[len(art.token_ids):]
+        want = []
+        for _ in range(TOKENS):  # greedy by plain PyTorch: the prefix's KV, own tokens from next_position
+            want.append(int(forward_logits(default_model, own + want, prefix, nxt)[-1].argmax()))
+        got = engine.token_ids_by_row[i]
+        assert results[i].error is None and got == want[:len(got)], (i, got, want)
+
+
+def _flip(path, tmp_path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    out = tmp_path / "bad.relaykv"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _edit_meta(path, tmp_path, fn, reseal):
+    from relaycli.artifact import _meta_digest
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    meta = json.loads(header["__metadata__"]["relay"])
+    fn(meta)
+    if reseal:
+        meta["meta_checksum"] = _meta_digest(meta)
+    header["__metadata__"]["relay"] = json.dumps(meta)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    out = tmp_path / "edited.relaykv"
+    out.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n:])
+    return out
+
+
+def test_a_corrupt_or_inconsistent_library_is_refused(exact, tmp_path):
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        read_artifact(_flip(exact, tmp_path, exact.stat().st_size - 100))
+
+    def other_token(meta):
+        meta["segments"][2]["token_ids"][0] += 1
+
+    with pytest.raises(ChecksumError, match="metadata checksum mismatch"):
+        read_artifact(_edit_meta(exact, tmp_path, other_token, reseal=False))
+
+    def shift(meta):
+        meta["segments"][2]["position"] += 1
+
+    with pytest.raises(ArtifactError, match="segment 'contract' is not placed right after its parent chain"):
+        read_artifact(_edit_meta(exact, tmp_path, shift, reseal=True))
+
+    def drop_ids(meta):
+        meta["segments"][1]["token_ids"].pop()
+
+    with pytest.raises(ArtifactError, match="segment 'policy' has token_ids that do not match its rows"):
+        read_artifact(_edit_meta(exact, tmp_path, drop_ids, reseal=True))
+
+    def no_schema(meta):
+        del meta["schema"]
+
+    with pytest.raises(ArtifactError, match="metadata field schema is not"):
+        read_artifact(_edit_meta(exact, tmp_path, no_schema, reseal=True))
+
+
+def test_compile_prompt_refuses_a_malformed_schema_before_the_model_loads(tmp_path):
+    bad = tmp_path / "bad.pml"
+    bad.write_text('<schema name="x"><system>S</system>\n<module name="b" after="a">B</module></schema>')
+    result = CliRunner().invoke(app, ["compile-prompt", str(bad), "--model", "/no/such/model"])
+    assert result.exit_code == 2
+    assert "line 2: module 'b' is after 'a'" in result.output and "define the parent module first" in result.output
+
+
+def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
+    from pathlib import Path
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    lib = tmp_path / "support.relaykv"
+    runner = CliRunner()
+    result = runner.invoke(app, ["compile-prompt", str(examples / "support.pml"), "--out", str(lib), "--quiet"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "answers.jsonl"
+    result = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(out),
+                                 "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["m1", "m2", "m3", "m4", "m5", "m6"]
+    assert all(r["error"] is None and r["cached_tokens"] > 0 for r in rows[:5])
+    assert "alternatives of one union" in rows[5]["error"]
