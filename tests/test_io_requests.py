@@ -169,7 +169,12 @@ def test_openai_body_overrides_top_level_and_url_inferred():
     ({"custom_id": "c", "body": {"prompt": "x", "n": 2}}, ["'n' = 2 is not supported", "one answer per row"]),
     ({"custom_id": "c", "body": {"prompt": "x", "n": True}}, ["'n' = True is not supported"]),
     ({"prompt": "x", "presence_penalty": 0.5}, ["'presence_penalty' = 0.5 is not supported"]),
-    ({"prompt": "x", "logprobs": True}, ["'logprobs' = True is not supported"]),
+    ({"prompt": "x", "logprobs": "yes"}, ["'logprobs' must be true, false or an integer from 0 to 20"]),
+    ({"prompt": "x", "logprobs": 21}, ["'logprobs' must be true, false or an integer from 0 to 20"]),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": 21}, ["'top_logprobs' must be an integer from 0 to 20"]),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": -1}, ["'top_logprobs' must be an integer from 0 to 20"]),
+    ({"prompt": "x", "top_logprobs": 3}, ["'top_logprobs' needs 'logprobs': true"]),
+    ({"prompt": "x", "logprobs": 2, "top_logprobs": 3}, ["'logprobs' and 'top_logprobs' disagree"]),
     ({"prompt": "x", "logit_bias": {"5": 100}}, ["'logit_bias'"]),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, ["'response_format'"]),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}]},
@@ -185,6 +190,15 @@ def test_neutral_values_of_unimplemented_fields_and_developer_role_accepted():
                                          "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": False,
                                          "response_format": {"type": "text"}}})
     assert row.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert row.sampling.logprobs is None
+
+
+def test_logprob_fields_are_read():
+    row = ok({"custom_id": "c", "body": {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                                         "top_logprobs": 4}})
+    assert row.sampling.logprobs == 4
+    assert ok({"prompt": "x", "logprobs": True}).sampling.logprobs == 0
+    assert ok({"prompt": "x", "logprobs": 0}).sampling.logprobs == 0  # the completions endpoint's form
 
 
 def test_error_row_with_a_surrogate_id_carries_the_row_number():

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
+from relaycli.engine.completions import completion_of, result_row
 from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.engine.stats import EngineStats
-from relaycli.engine.stops import StopWatch, first_stop
+from relaycli.engine.stops import StopWatch
+from relaycli.engine.vocab import Vocab
 from relaycli.io.requests import RequestRow, ResultRow
 from relaycli.prompts import PromptError, PromptMatcher
 
@@ -67,6 +69,7 @@ class Engine:
         self.max_context = loaded.config.max_position_embeddings
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else frozenset(loaded.config.eos_token_ids)
         self.eos_ids = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
+        self._vocab: Vocab | None = None  # token texts, made when a row first asks for logprobs
         self.stats = EngineStats(graphs_available=self.runner.graphs is not None, keep_logs=keep_step_logs)
         self._seq_ids = itertools.count()
         self._live: dict[int, _Live] = {}
@@ -100,7 +103,7 @@ class Engine:
             max_tokens=sp.max_tokens if sp.max_tokens is not None else self.max_context,
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             seed=sp.seed if sp.seed is not None else row.row_index, stop=tuple(sp.stop),
-            ignore_eos=sp.ignore_eos)
+            ignore_eos=sp.ignore_eos, logprobs=sp.logprobs)
         return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
@@ -123,8 +126,9 @@ class Engine:
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
                                     f"{self.block_manager.num_blocks * self.runner.block_size}; lower max_tokens "
                                     "or raise --kv-cache-gb", req.url)
-        seq.sampling = SamplingOptions(max_new, opts.temperature, opts.top_p, opts.top_k, opts.seed, opts.stop,
-                                       opts.ignore_eos)
+        seq.sampling = replace(opts, max_tokens=max_new)
+        if opts.logprobs is not None:
+            seq.logprob_rows = []
         watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
         self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, watch)
         self.scheduler.add(seq)
@@ -243,11 +247,14 @@ class Engine:
         now = None
         tokens = step.tokens_list()
         self.stats.device_wait_seconds += step.wait_seconds
-        for seq, index, tok in zip(step.seqs, step.indices, tokens):
+        logprobs = step.logprobs.rows_list() if step.logprobs is not None else {}
+        for b, (seq, index, tok) in enumerate(zip(step.seqs, step.indices, tokens)):
             live = self._live.get(seq.seq_id)
             if live is None:
                 continue  # it ended at an earlier token; this one was a spare step
             seq.output_ids[index] = tok
+            if b in logprobs:
+                seq.logprob_rows.append(logprobs[b])
             if index == 0:
                 now = now or time.perf_counter()
                 seq.first_token_time = now
@@ -269,15 +276,10 @@ class Engine:
 
     def _result(self, live: _Live) -> ResultRow:
         seq = live.seq
-        ids = seq.output_ids
         if self.token_ids_by_row is not None:
-            self.token_ids_by_row[live.row_index] = list(ids)
-        if seq.finish_reason == "stop" and not seq.sampling.ignore_eos and ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]  # the end-of-sequence token is no part of the answer
-        text = self.loaded.tokenizer.decode(ids) if self.loaded.tokenizer is not None else ""
-        if seq.finish_reason == "stop" and live.watch is not None:
-            cut = first_stop(text, live.watch.stops)
-            text = text if cut is None else text[:cut]
-        return ResultRow(row_index=live.row_index, id=live.id, text=text, finish_reason=seq.finish_reason,
-                         prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prefix_tokens,
-                         completion_tokens=seq.num_completion_tokens, error=None, url=live.url)
+            self.token_ids_by_row[live.row_index] = list(seq.output_ids)
+        if seq.logprob_rows is not None and self._vocab is None and self.loaded.tokenizer is not None:
+            self._vocab = Vocab(self.loaded.tokenizer, self.loaded.config.vocab_size)
+        done = completion_of(seq, 0, live.watch.stops if live.watch else None, self.eos_ids,
+                             self.loaded.tokenizer.decode if self.loaded.tokenizer is not None else None, self._vocab)
+        return result_row(live.row_index, live.id, live.url, seq, done)

@@ -16,6 +16,7 @@ from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.errors import ConfigError
+from relaycli.engine.logprobs import StepLogprobs, step_logprobs
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import to_device
@@ -224,12 +225,14 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.attention.attend_fn(meta), self.layer_ops)
             logits = self.model.compute_logits(hidden[last_rows])
         tokens = self.sampler.sample_tensor(logits, [s.sampling for s in seqs], [len(s.output_ids) for s in seqs])
+        logprobs = step_logprobs(logits, tokens, [s.sampling.logprobs for s in seqs])
         indices = []
         for seq in seqs:
             seq.num_cached_own = seq.num_own_tokens
             indices.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER_TOKEN)
-        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context, key is not None, eager_reason)
+        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context, key is not None, eager_reason,
+                          logprobs)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step, waited for: the next token of each sequence (appended to its output_ids)."""
@@ -249,8 +252,9 @@ class StepHandle:
 
     def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor,
                  num_new_tokens: int, num_context_tokens: int, graphed: bool = False,
-                 eager_reason: str | None = None) -> None:
+                 eager_reason: str | None = None, logprobs: StepLogprobs | None = None) -> None:
         self.seqs, self.is_prefill, self.indices = seqs, is_prefill, indices
+        self.logprobs = logprobs  # the rows that asked for logprobs (copied back with the tokens)
         self.graphed = graphed  # replayed from a CUDA graph
         self.eager_reason = eager_reason  # why a decode step that could have been graphed was not
         self.num_new_tokens = num_new_tokens  # tokens this step computed

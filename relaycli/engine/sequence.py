@@ -30,6 +30,7 @@ class SamplingOptions:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; else alternatives per token (relaycli/engine/logprobs.py)
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW:
@@ -58,6 +59,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival_time: float = 0.0  # perf_counter when admitted
     first_token_time: float | None = None  # perf_counter when its first token was sampled
+    logprob_rows: list | None = None  # rows that ask: per output token (logprob, top ids, top logprobs)
 
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):

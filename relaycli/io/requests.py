@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaycli.errors import ConfigError
+from relaycli.io.structured import MAX_TOP_LOGPROBS, StructuredError, parse_logprobs
 
 FINISH_REASONS = ("stop", "length", "error")
 ROLES = ("system", "user", "assistant")
@@ -73,8 +74,12 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; else alternatives per token (0..20)
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}, "
+                             f"got {_show(self.logprobs)}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}")
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -174,6 +179,8 @@ class ResultRow:
     completion_tokens: int = 0
     error: str | None = None  # set exactly when finish_reason == "error"
     url: str | None = None  # carried from the request for OpenAI-format output
+    # per generated token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}; None: not asked
+    logprobs: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.row_index) or self.row_index < 0:
@@ -270,8 +277,8 @@ def _stop(src: dict) -> list[str]:
 
 # Request fields relay does not implement, with the values that ask for nothing: any other
 # value would change the answer, so it is this row's error rather than silently ignored.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0,
-            "logit_bias": {}, "tools": [], "functions": [], "response_format": {"type": "text"}}
+_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": [],
+            "response_format": {"type": "text"}}
 
 
 def _is_neutral(v: Any, neutral: Any) -> bool:
@@ -366,7 +373,11 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
     chosen = {k: v if v is not None else fallback[k] for k, v in values.items()}
     stop = _stop(src)
     try:
-        sampling = SamplingParams(**chosen, stop=stop, ignore_eos=ignore_eos)
+        logprobs = parse_logprobs(src)
+    except StructuredError as e:
+        raise _RowError(str(e)) from None
+    try:
+        sampling = SamplingParams(**chosen, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs)
     except ValueError as e:  # a range rule of SamplingParams; its message starts with the field
         name, _, rest = str(e).partition(" ")
         raise _RowError(f"'{name}' {rest}; fix the value or leave the field out to use the default") from None
