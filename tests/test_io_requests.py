@@ -176,7 +176,20 @@ def test_openai_body_overrides_top_level_and_url_inferred():
     ({"prompt": "x", "top_logprobs": 3}, ["'top_logprobs' needs 'logprobs': true"]),
     ({"prompt": "x", "logprobs": 2, "top_logprobs": 3}, ["'logprobs' and 'top_logprobs' disagree"]),
     ({"prompt": "x", "logit_bias": {"5": 100}}, ["'logit_bias'"]),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, ["'response_format'"]),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, ["'response_format.type' must be text, json_object"]),
+    ({"prompt": "x", "response_format": "json"}, ["'response_format' must be an object with a 'type'"]),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, ["'response_format.json_schema' must be an object"]),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+     ["'response_format.json_schema.schema' must be a JSON schema"]),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "y"}}},
+     ["'response_format.json_schema.strict' must be true or false"]),
+    ({"prompt": "x", "json_schema": "{not json"}, ["'json_schema' is a string but not JSON"]),
+    ({"prompt": "x", "json_schema": [1]}, ["'json_schema' must be a JSON schema"]),
+    ({"prompt": "x", "regex": ""}, ["'regex' must be a non-empty string holding a regular expression"]),
+    ({"prompt": "x", "grammar": 5}, ["'grammar' must be a non-empty string holding an EBNF grammar"]),
+    ({"prompt": "x", "choices": []}, ["'choices' must be a non-empty list of non-empty strings"]),
+    ({"prompt": "x", "choices": ["a", ""]}, ["'choices' must be a non-empty list of non-empty strings"]),
+    ({"prompt": "x", "choices": ["a"], "regex": "a"}, ["has 'regex' and 'choices'; keep one constraint"]),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}]},
      ["messages[1] is a system message"]),
 ])
@@ -190,7 +203,7 @@ def test_neutral_values_of_unimplemented_fields_and_developer_role_accepted():
                                          "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": False,
                                          "response_format": {"type": "text"}}})
     assert row.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert row.sampling.logprobs is None
+    assert row.sampling.logprobs is None and row.constraint is None
 
 
 def test_logprob_fields_are_read():
@@ -199,6 +212,21 @@ def test_logprob_fields_are_read():
     assert row.sampling.logprobs == 4
     assert ok({"prompt": "x", "logprobs": True}).sampling.logprobs == 0
     assert ok({"prompt": "x", "logprobs": 0}).sampling.logprobs == 0  # the completions endpoint's form
+
+
+def test_constraint_fields_are_read():
+    row = ok({"custom_id": "c", "body": {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "object"}}}}})
+    assert (row.constraint.kind, row.constraint.source, row.constraint.field) == (
+        "json_schema", {"type": "object"}, "response_format")
+    assert row.constraint.strict
+    assert ok({"prompt": "x", "response_format": {"type": "json_object"}}).constraint.kind == "json_object"
+    assert ok({"prompt": "x", "response_format": {"type": "text"}}).constraint is None
+    assert ok({"prompt": "x", "json_schema": '{"type": "string"}'}).constraint.source == {"type": "string"}
+    choices = ok({"prompt": "x", "choices": ["a", "b", "a"]}).constraint
+    assert (choices.kind, choices.source) == ("choices", ["a", "b"])
+    assert ok({"prompt": "x", "regex": "[0-9]+"}).constraint.kind == "regex"
+    assert ok({"prompt": "x", "grammar": 'root ::= "a"'}).constraint.kind == "grammar"
 
 
 def test_error_row_with_a_surrogate_id_carries_the_row_number():

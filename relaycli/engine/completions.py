@@ -18,6 +18,7 @@ class Completion:
     finish_reason: str  # stop | length | error
     completion_tokens: int
     logprobs: list[dict] | None
+    error: str | None = None
 
 
 def completion_of(seq: Sequence, index: int, stops: tuple[str, ...] | None, eos_ids: frozenset[int],
@@ -25,7 +26,8 @@ def completion_of(seq: Sequence, index: int, stops: tuple[str, ...] | None, eos_
     """seq's answer: its text (without a final end-of-sequence token, cut at a stop
     string), and its logprob entries where it asked (one per generated token kept)."""
     ids = seq.output_ids
-    if seq.finish_reason == "stop" and not seq.sampling.ignore_eos and ids and ids[-1] in eos_ids:
+    eos_ends = not seq.sampling.ignore_eos or seq.matcher is not None  # (a grammar ends at its EOS)
+    if seq.finish_reason == "stop" and eos_ends and ids and ids[-1] in eos_ids:
         ids = ids[:-1]  # the end-of-sequence token is no part of the answer
     text = decode(ids) if decode is not None else ""
     if seq.finish_reason == "stop" and stops:
@@ -35,10 +37,16 @@ def completion_of(seq: Sequence, index: int, stops: tuple[str, ...] | None, eos_
     if seq.logprob_rows is not None and vocab is not None:
         k = seq.sampling.logprobs or 0
         logprobs = [entry(vocab, tok, *row, k) for tok, row in zip(ids, seq.logprob_rows)]
-    return Completion(index, text, seq.finish_reason, seq.num_completion_tokens, logprobs)
+    error = None
+    if seq.finish_reason == "error":
+        error = (f"the answer left its constraint at token {len(ids) - 1}; the constraint may allow no "
+                 "end, check it")
+    return Completion(index, text, seq.finish_reason, seq.num_completion_tokens, logprobs, error)
 
 
 def result_row(row_index: int, id: str, url: str | None, seq: Sequence, done: Completion) -> ResultRow:
+    if done.error is not None:
+        return ResultRow.failed(row_index, id, f"row {row_index}: {done.error}", url)
     return ResultRow(row_index=row_index, id=id, text=done.text, finish_reason=done.finish_reason,
                      prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prefix_tokens,
                      completion_tokens=done.completion_tokens, error=None, url=url, logprobs=done.logprobs)

@@ -15,6 +15,7 @@ from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
 from relaycli.engine.completions import completion_of, result_row
+from relaycli.engine.constraints import ConstraintError, Grammars
 from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
@@ -40,6 +41,7 @@ class TokenRequest:
     sampling: SamplingOptions
     prefix_slot: int | None = None
     url: str | None = None
+    grammar: object | None = None  # the compiled constraint its answer must match
 
 
 @dataclass
@@ -69,6 +71,8 @@ class Engine:
         self.max_context = loaded.config.max_position_embeddings
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else frozenset(loaded.config.eos_token_ids)
         self.eos_ids = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
+        vocab_size = loaded.config.vocab_size
+        self.grammars = Grammars(loaded.tokenizer, vocab_size, self.eos_ids) if loaded.tokenizer else None
         self._vocab: Vocab | None = None  # token texts, made when a row first asks for logprobs
         self.stats = EngineStats(graphs_available=self.runner.graphs is not None, keep_logs=keep_step_logs)
         self._seq_ids = itertools.count()
@@ -104,7 +108,13 @@ class Engine:
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             seed=sp.seed if sp.seed is not None else row.row_index, stop=tuple(sp.stop),
             ignore_eos=sp.ignore_eos, logprobs=sp.logprobs)
-        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url)
+        grammar = None
+        if row.constraint is not None:  # compiled here, on the prefetch thread, once per distinct spec
+            try:
+                grammar = self.grammars.compile(row.constraint)
+            except ConstraintError as exc:
+                return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
+        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url, grammar)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
         """Queue a request, or return its error row when it can never run."""
@@ -129,6 +139,8 @@ class Engine:
         seq.sampling = replace(opts, max_tokens=max_new)
         if opts.logprobs is not None:
             seq.logprob_rows = []
+        if req.grammar is not None:
+            seq.matcher = self.grammars.matcher(req.grammar)
         watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
         self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, watch)
         self.scheduler.add(seq)
@@ -191,6 +203,10 @@ class Engine:
         t0 = time.perf_counter()
         finished: list[ResultRow] = []
         read = None  # the step read back here: this call's time is mostly waiting for it
+        if self._pending is not None and any(s.matcher is not None for s in self._pending.seqs):
+            # A constrained row's next mask depends on the token still being computed: read it first.
+            finished += self._read_back(self._pending)
+            read, self._pending = self._pending, None
         seqs, is_prefill = self.scheduler.schedule() if self.scheduler.num_unfinished else ([], False)
         self.stats.preemptions = self.scheduler.num_preemptions
         if not seqs and self._pending is None:
@@ -255,6 +271,12 @@ class Engine:
             seq.output_ids[index] = tok
             if b in logprobs:
                 seq.logprob_rows.append(logprobs[b])
+            if seq.matcher is not None and not seq.matcher.accept(tok):
+                seq.finish_reason = "error"  # the mask allowed it, so the grammar has a flaw
+                del seq.output_ids[index + 1:]
+                self.scheduler.finish(seq)
+                finished.append(self._result(self._live.pop(seq.seq_id)))
+                continue
             if index == 0:
                 now = now or time.perf_counter()
                 seq.first_token_time = now
@@ -269,7 +291,9 @@ class Engine:
         return finished
 
     def _stops(self, seq: Sequence, tok: int, index: int, watch: StopWatch | None) -> bool:
-        """Does output token `index` (= tok) end the sequence: EOS, or a stop string?"""
+        """Does output token `index` (= tok) end the sequence: EOS, its grammar's end, or a stop string?"""
+        if seq.matcher is not None and seq.matcher.is_done:
+            return True  # (also with ignore_eos: nothing may follow the end of its grammar)
         if not seq.sampling.ignore_eos and tok in self.eos_ids:
             return True
         return watch is not None and watch.push(seq.output_ids, index + 1) is not None

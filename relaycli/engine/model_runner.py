@@ -16,6 +16,7 @@ from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.errors import ConfigError
+from relaycli.engine.constraints import apply_masks
 from relaycli.engine.logprobs import StepLogprobs, step_logprobs
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
@@ -224,7 +225,11 @@ class ModelRunner:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill, decode_ids)
             hidden = self.model(input_ids, positions, self.attention.attend_fn(meta), self.layer_ops)
             logits = self.model.compute_logits(hidden[last_rows])
-        tokens = self.sampler.sample_tensor(logits, [s.sampling for s in seqs], [len(s.output_ids) for s in seqs])
+        masked = [b for b, s in enumerate(seqs) if s.matcher is not None]
+        if masked:  # constrained rows: their grammar's mask
+            logits = apply_masks(logits, [s.matcher for s in seqs])
+        tokens = self.sampler.sample_tensor(logits, [s.sampling for s in seqs], [len(s.output_ids) for s in seqs],
+                                            masked)
         logprobs = step_logprobs(logits, tokens, [s.sampling.logprobs for s in seqs])
         indices = []
         for seq in seqs:

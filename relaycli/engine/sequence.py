@@ -59,7 +59,9 @@ class Sequence:
     finish_reason: str | None = None
     arrival_time: float = 0.0  # perf_counter when admitted
     first_token_time: float | None = None  # perf_counter when its first token was sampled
-    logprob_rows: list | None = None  # rows that ask: per output token (logprob, top ids, top logprobs)
+    # Structured answers (None for a plain row):
+    matcher: object | None = None  # its grammar matcher (relaycli/engine/constraints.py)
+    logprob_rows: list | None = None  # per output token: (logprob, top ids, top logprobs)
 
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):

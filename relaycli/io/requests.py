@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaycli.errors import ConfigError
-from relaycli.io.structured import MAX_TOP_LOGPROBS, StructuredError, parse_logprobs
+from relaycli.io.structured import (MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError, parse_constraint,
+                                    parse_logprobs)
 
 FINISH_REASONS = ("stop", "length", "error")
 ROLES = ("system", "user", "assistant")
@@ -153,12 +154,15 @@ class RequestRow:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     is_openai: bool = False
     url: str | None = None  # the OpenAI endpoint, so the writer can shape its answer
+    constraint: ConstraintSpec | None = None  # what the answer must match (schema, regex, choices, grammar)
 
     def __post_init__(self) -> None:
         if not _is_int(self.row_index) or self.row_index < 0:
             raise ValueError(f"row_index must be an integer >= 0, got {_show(self.row_index)}")
         if not isinstance(self.id, str):
             raise ValueError(f"id must be a string, got {_show(self.id)}")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise ValueError(f"constraint must be a ConstraintSpec, got {type(self.constraint).__name__}")
         check_messages(self.messages)
         if self.system_prompt is not None and (not isinstance(self.system_prompt, str) or not self.system_prompt):
             raise ValueError(f"system_prompt must be a non-empty string, got {_show(self.system_prompt)}")
@@ -277,8 +281,7 @@ def _stop(src: dict) -> list[str]:
 
 # Request fields relay does not implement, with the values that ask for nothing: any other
 # value would change the answer, so it is this row's error rather than silently ignored.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": [],
-            "response_format": {"type": "text"}}
+_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": []}
 
 
 def _is_neutral(v: Any, neutral: Any) -> bool:
@@ -373,7 +376,7 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
     chosen = {k: v if v is not None else fallback[k] for k, v in values.items()}
     stop = _stop(src)
     try:
-        logprobs = parse_logprobs(src)
+        logprobs, constraint = parse_logprobs(src), parse_constraint(src)
     except StructuredError as e:
         raise _RowError(str(e)) from None
     try:
@@ -382,7 +385,7 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
         name, _, rest = str(e).partition(" ")
         raise _RowError(f"'{name}' {rest}; fix the value or leave the field out to use the default") from None
     return RequestRow(row_index=row_index, id=row_id, messages=messages, system_prompt=system_prompt,
-                      sampling=sampling, is_openai=is_openai, url=url)
+                      sampling=sampling, is_openai=is_openai, url=url, constraint=constraint)
 
 
 def parse_request(raw: dict | None, row_index: int,
