@@ -13,8 +13,8 @@ from typing import Callable, Iterable, Iterator
 
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
+from relaycli.engine.completions import Completion, Group, completion_of, result_row, row_sequences
 from relaycli.engine.block_manager import BlockManager
-from relaycli.engine.completions import completion_of, result_row
 from relaycli.engine.constraints import ConstraintError, Grammars
 from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
@@ -41,7 +41,8 @@ class TokenRequest:
     sampling: SamplingOptions
     prefix_slot: int | None = None
     url: str | None = None
-    grammar: object | None = None  # the compiled constraint its answer must match
+    grammar: object | None = None  # the compiled constraint its answers must match
+    n: int = 1  # completions, sharing the prompt's KV
 
 
 @dataclass
@@ -51,6 +52,8 @@ class _Live:
     id: str
     url: str | None
     watch: StopWatch | None  # rows with stop strings: their text, decoded as it grows
+    index: int = 0  # which of the row's completions
+    group: Group | None = None  # n > 1: the row's completions so far
 
 
 class Engine:
@@ -114,7 +117,8 @@ class Engine:
                 grammar = self.grammars.compile(row.constraint)
             except ConstraintError as exc:
                 return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
-        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url, grammar)
+        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url,
+                            grammar, sp.n)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
         """Queue a request, or return its error row when it can never run."""
@@ -136,13 +140,19 @@ class Engine:
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
                                     f"{self.block_manager.num_blocks * self.runner.block_size}; lower max_tokens "
                                     "or raise --kv-cache-gb", req.url)
+        forks_need = self.block_manager.blocks_with_forks(seq.num_own_tokens, req.n - 1)
+        if req.n > self.config.max_num_seqs or forks_need > self.block_manager.num_blocks:
+            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: n = {req.n} completions do not fit "
+                                    f"the batch ({self.config.max_num_seqs} sequences) or the KV cache; lower n or "
+                                    "raise --max-batch / --kv-cache-gb", req.url)
         seq.sampling = replace(opts, max_tokens=max_new)
-        if opts.logprobs is not None:
-            seq.logprob_rows = []
-        if req.grammar is not None:
-            seq.matcher = self.grammars.matcher(req.grammar)
-        watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
-        self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, watch)
+        group = Group(req.n) if req.n > 1 else None
+        self.stats.forks += req.n - 1
+        matcher = (lambda: self.grammars.matcher(req.grammar)) if req.grammar is not None else None
+        for index, one in enumerate(row_sequences(seq, req.n, self._seq_ids.__next__, matcher,
+                                                  opts.logprobs is not None)):
+            watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
+            self._live[one.seq_id] = _Live(one, req.row_index, req.id, req.url, watch, index, group)
         self.scheduler.add(seq)
         return None
 
@@ -275,7 +285,7 @@ class Engine:
                 seq.finish_reason = "error"  # the mask allowed it, so the grammar has a flaw
                 del seq.output_ids[index + 1:]
                 self.scheduler.finish(seq)
-                finished.append(self._result(self._live.pop(seq.seq_id)))
+                finished.extend(self._result(self._live.pop(seq.seq_id)))
                 continue
             if index == 0:
                 now = now or time.perf_counter()
@@ -287,7 +297,7 @@ class Engine:
                 self.scheduler.finish(seq)
             elif not (seq.is_finished and index == len(seq.output_ids) - 1):
                 continue  # still going (or its last token is still to come)
-            finished.append(self._result(self._live.pop(seq.seq_id)))
+            finished.extend(self._result(self._live.pop(seq.seq_id)))
         return finished
 
     def _stops(self, seq: Sequence, tok: int, index: int, watch: StopWatch | None) -> bool:
@@ -298,12 +308,19 @@ class Engine:
             return True
         return watch is not None and watch.push(seq.output_ids, index + 1) is not None
 
-    def _result(self, live: _Live) -> ResultRow:
+    def _result(self, live: _Live) -> list[ResultRow]:
+        """The row's result once its (last) completion has ended; [] while others run."""
         seq = live.seq
-        if self.token_ids_by_row is not None:
+        if self.token_ids_by_row is not None and live.index == 0:
             self.token_ids_by_row[live.row_index] = list(seq.output_ids)
         if seq.logprob_rows is not None and self._vocab is None and self.loaded.tokenizer is not None:
             self._vocab = Vocab(self.loaded.tokenizer, self.loaded.config.vocab_size)
-        done = completion_of(seq, 0, live.watch.stops if live.watch else None, self.eos_ids,
+        done = completion_of(seq, live.index, live.watch.stops if live.watch else None, self.eos_ids,
                              self.loaded.tokenizer.decode if self.loaded.tokenizer is not None else None, self._vocab)
-        return result_row(live.row_index, live.id, live.url, seq, done)
+        completions: list[Completion] = [done]
+        if live.group is not None:
+            live.group.done[live.index] = done
+            if not live.group.complete:
+                return []
+            completions = [live.group.done[i] for i in range(live.group.n)]
+        return [result_row(live.row_index, live.id, live.url, seq, completions, len(completions))]

@@ -59,9 +59,12 @@ class Sequence:
     finish_reason: str | None = None
     arrival_time: float = 0.0  # perf_counter when admitted
     first_token_time: float | None = None  # perf_counter when its first token was sampled
-    # Structured answers (None for a plain row):
+    # Structured answers (all None/empty for a plain row):
     matcher: object | None = None  # its grammar matcher (relaycli/engine/constraints.py)
     logprob_rows: list | None = None  # per output token: (logprob, top ids, top logprobs)
+    forks: list[Sequence] = field(default_factory=list)  # completions 1..n-1, forked at its prefill
+    fork_of: Sequence | None = None  # a fork before its first step: its prompt KV is this one's
+    copy_block: tuple[int, int] | None = None  # (from, to): the fork's copy of its parent's last, partial block
 
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):

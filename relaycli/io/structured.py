@@ -7,6 +7,7 @@ values; whether a schema, regex or grammar compiles is the engine's check
 Fields (relay rows and OpenAI Batch bodies alike):
 - `logprobs`: true/false (chat), or an integer k (the completions endpoint: k alternatives);
   `top_logprobs`: 0..20 alternatives per token, needs `logprobs`.
+- `n`: 1..MAX_N completions of the row.
 - one constraint: `response_format` (`json_object`, `json_schema`), `json_schema`, `regex`,
   `choices` (a list of strings: the answer is exactly one), `grammar` (EBNF, rule `root`).
 """
@@ -17,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+MAX_N = 16  # completions one row may ask for
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 CONSTRAINT_FIELDS = ("response_format", "json_schema", "regex", "choices", "grammar")
 STRUCTURED_FIX = "pip install 'relay-batch[structured]'"
@@ -73,6 +75,16 @@ def parse_logprobs(src: dict) -> int | None:
         return lp
     raise StructuredError(f"'logprobs' must be true, false or an integer from 0 to {MAX_TOP_LOGPROBS}, "
                           f"got {_show(lp)}; fix the value")
+
+
+def parse_n(src: dict) -> int:
+    n = src.get("n", 1)
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise StructuredError(f"'n' must be an integer from 1 to {MAX_N}, got {_show(n)}; "
+                              f"lower it, or repeat the row with other seeds for more answers")
+    return n
 
 
 def _schema(value: Any, field: str) -> Any:
