@@ -123,6 +123,11 @@ class ChatTokenizer:
         return self._chat_template
 
     @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` object (its raw vocabulary and decoder: relaycli/engine/vocab.py)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -166,12 +166,31 @@ def test_openai_body_overrides_top_level_and_url_inferred():
     ({"prompt": "x", "id": "a\ud800"}, ["'id' holds a lone surrogate"]),
     ({"prompt": "x", "stop": ["\ud800"]}, ["'stop' holds a lone surrogate"]),
     ({"prompt": "x", "system_prompt": "\ud800"}, ["'system_prompt' must be the name"]),
-    ({"custom_id": "c", "body": {"prompt": "x", "n": 2}}, ["'n' = 2 is not supported", "one answer per row"]),
-    ({"custom_id": "c", "body": {"prompt": "x", "n": True}}, ["'n' = True is not supported"]),
+    ({"custom_id": "c", "body": {"prompt": "x", "n": 17}}, ["'n' must be an integer from 1 to 16", "lower it"]),
+    ({"custom_id": "c", "body": {"prompt": "x", "n": True}}, ["'n' must be an integer from 1 to 16"]),
+    ({"prompt": "x", "n": 0}, ["'n' must be an integer from 1 to 16"]),
     ({"prompt": "x", "presence_penalty": 0.5}, ["'presence_penalty' = 0.5 is not supported"]),
-    ({"prompt": "x", "logprobs": True}, ["'logprobs' = True is not supported"]),
+    ({"prompt": "x", "logprobs": "yes"}, ["'logprobs' must be true, false or an integer from 0 to 20"]),
+    ({"prompt": "x", "logprobs": 21}, ["'logprobs' must be true, false or an integer from 0 to 20"]),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": 21}, ["'top_logprobs' must be an integer from 0 to 20"]),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": -1}, ["'top_logprobs' must be an integer from 0 to 20"]),
+    ({"prompt": "x", "top_logprobs": 3}, ["'top_logprobs' needs 'logprobs': true"]),
+    ({"prompt": "x", "logprobs": 2, "top_logprobs": 3}, ["'logprobs' and 'top_logprobs' disagree"]),
     ({"prompt": "x", "logit_bias": {"5": 100}}, ["'logit_bias'"]),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, ["'response_format'"]),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, ["'response_format.type' must be text, json_object"]),
+    ({"prompt": "x", "response_format": "json"}, ["'response_format' must be an object with a 'type'"]),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, ["'response_format.json_schema' must be an object"]),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+     ["'response_format.json_schema.schema' must be a JSON schema"]),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "y"}}},
+     ["'response_format.json_schema.strict' must be true or false"]),
+    ({"prompt": "x", "json_schema": "{not json"}, ["'json_schema' is a string but not JSON"]),
+    ({"prompt": "x", "json_schema": [1]}, ["'json_schema' must be a JSON schema"]),
+    ({"prompt": "x", "regex": ""}, ["'regex' must be a non-empty string holding a regular expression"]),
+    ({"prompt": "x", "grammar": 5}, ["'grammar' must be a non-empty string holding an EBNF grammar"]),
+    ({"prompt": "x", "choices": []}, ["'choices' must be a non-empty list of non-empty strings"]),
+    ({"prompt": "x", "choices": ["a", ""]}, ["'choices' must be a non-empty list of non-empty strings"]),
+    ({"prompt": "x", "choices": ["a"], "regex": "a"}, ["has 'regex' and 'choices'; keep one constraint"]),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}]},
      ["messages[1] is a system message"]),
 ])
@@ -185,6 +204,26 @@ def test_neutral_values_of_unimplemented_fields_and_developer_role_accepted():
                                          "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": False,
                                          "response_format": {"type": "text"}}})
     assert row.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert row.sampling.n == 1 and row.sampling.logprobs is None and row.constraint is None
+
+
+def test_structured_fields_are_read():
+    row = ok({"custom_id": "c", "body": {"messages": [{"role": "user", "content": "Hi"}], "n": 3, "logprobs": True,
+                                         "top_logprobs": 4, "response_format": {
+                                             "type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                                    "schema": {"type": "object"}}}}})
+    assert (row.sampling.n, row.sampling.logprobs) == (3, 4)
+    assert (row.constraint.kind, row.constraint.source, row.constraint.field) == (
+        "json_schema", {"type": "object"}, "response_format")
+    assert row.constraint.strict
+    assert ok({"prompt": "x", "logprobs": True}).sampling.logprobs == 0
+    assert ok({"prompt": "x", "logprobs": 0}).sampling.logprobs == 0  # the completions endpoint's form
+    assert ok({"prompt": "x", "response_format": {"type": "json_object"}}).constraint.kind == "json_object"
+    assert ok({"prompt": "x", "json_schema": '{"type": "string"}'}).constraint.source == {"type": "string"}
+    choices = ok({"prompt": "x", "choices": ["a", "b", "a"]}).constraint
+    assert (choices.kind, choices.source) == ("choices", ["a", "b"])
+    assert ok({"prompt": "x", "regex": "[0-9]+"}).constraint.kind == "regex"
+    assert ok({"prompt": "x", "grammar": 'root ::= "a"'}).constraint.kind == "grammar"
 
 
 def test_error_row_with_a_surrogate_id_carries_the_row_number():

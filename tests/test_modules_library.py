@@ -17,7 +17,7 @@ from relaycli.cli import app
 from relaycli.compile import load_checked, prefill_kv
 from relaycli.config import EngineConfig
 from relaycli.engine.engine import Engine
-from relaycli.io.requests import parse_request
+from relaycli.io.requests import derive_seed, parse_request
 from relaycli.module_compile import compile_library
 from relaycli.modules import parse_schema
 
@@ -126,6 +126,22 @@ def test_exact_module_rows_match_transformers_on_the_same_tokens(default_model, 
         want = _hf_greedy(hf_model, ids)
         assert engine.token_ids_by_row[i] == want[:len(engine.token_ids_by_row[i])], (i, r.text, tok.decode(want))
     assert engine.modules.built == 4  # one prefix per distinct path; the row without modules uses the library's
+
+
+def test_completions_of_a_module_row_equal_its_one_answer_rows(default_model, exact):
+    """n completions fork after the row's prefill and keep its module positions."""
+    art = load_checked(exact, default_model)
+
+    def answers(raws):
+        engine = Engine(default_model, [art], EngineConfig(max_num_seqs=8, kv_cache_gb=0.1))
+        rows = [parse_request(dict(r, max_tokens=TOKENS, temperature=0.9), i) for i, r in enumerate(raws)]
+        return {r.row_index: r for r in engine.generate(rows)}
+
+    raw = {"prompt": "Can I phone you?", "modules": ["policy", {"name": "basic", "months": "6"}], "seed": 5}
+    got = answers([dict(raw, n=3)])[0]
+    want = answers([dict(raw, seed=5 if i == 0 else derive_seed(5, i)) for i in range(3)])
+    assert got.error is None and len(got.completions) == 3
+    assert [c["text"] for c in got.completions] == [want[i].text for i in range(3)]
 
 
 def test_bad_module_rows_are_error_rows_and_the_job_goes_on(default_model, exact):

@@ -52,7 +52,7 @@ def test_jsonl_in_parquet_out_with_error_rows_and_stats(job, tmp_path):
                 "--stats-json", stats)
     table = pq.read_table(out)
     assert table.column_names == ["id", "text", "finish_reason", "prompt_tokens", "cached_tokens",
-                                  "completion_tokens", "error"]
+                                  "completion_tokens", "error", "logprobs", "completions"]
     rows = table.to_pylist()
     assert [r["id"] for r in rows] == ["q0", "q1", "q2", "bad-type", "q3", "q4", "q5", "q6", "q7", "9"]
     assert rows[3]["finish_reason"] == "error" and "'prompt' must be a string" in rows[3]["error"]

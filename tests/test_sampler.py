@@ -216,3 +216,26 @@ def test_vanishing_temperatures_pick_the_argmax_not_a_nan_token():
         got = Sampler(torch.device("cpu")).sample(logits, opts, [0, 0, 0, 0])
         assert got[:3] == logits[:3].argmax(dim=-1).tolist(), temperature
     assert SamplingOptions(max_tokens=1, temperature=1e-19).temperature == 1e-19  # still sampled
+
+
+def test_masked_rows_with_a_finite_floor_draw_as_with_minus_infinity():
+    """The Triton sampler gets a constraint's forbidden tokens as a finite floor
+    (floor_masked); on the torch path both forms must give the same token for every
+    filter, and never a forbidden one."""
+    from relaycli.engine.sampler import floor_masked
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows = 3000, 12
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.02
+    allowed[:, 7] = True
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    opts = [SamplingOptions(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=s)
+            for s, (t, k, p) in enumerate([(0.0, None, 1.0), (1.0, None, 1.0), (0.7, 5, 1.0), (1.3, 2000, 0.9),
+                                           (2.0, None, 0.5), (50.0, 400, 0.99)] * 2)]
+    floored = floor_masked(masked, list(range(rows)), [o.temperature for o in opts])
+    assert torch.isfinite(floored).all() and torch.equal(floored[allowed], masked[allowed])
+    sampler = Sampler(torch.device("cpu"))
+    for draw in range(20):
+        a = sampler.sample(masked, opts, [draw] * rows)
+        b = sampler.sample(floored, opts, [draw] * rows)
+        assert a == b and all(allowed[i, t] for i, t in enumerate(a))

@@ -176,3 +176,21 @@ def test_triton_sampler_rows_are_independent_of_the_batch():
     assert together[1] == int(logits[1].argmax()) and together[4] == int(logits[4].argmax())
     later = [sampler.sample(logits[:1], [opts[0]], [d])[0] for d in range(30)]
     assert len(set(later)) > 1  # another draw index, another stream
+
+
+def test_constrained_rows_draw_only_allowed_tokens():
+    """A constraint's mask reaches the Triton sampler as a finite floor (floor_masked): every
+    row, greedy or filtered, draws an allowed token."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, rows = 512, 8
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.05
+    allowed[:, 11] = True
+    masked = logits.masked_fill(~allowed, float("-inf")).to(DEVICE)
+    opts = [SamplingOptions(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=s)
+            for s, (t, k, p) in enumerate([(0.0, None, 1.0), (1.0, None, 1.0), (0.7, 5, 1.0), (1.3, 400, 0.9),
+                                           (2.0, None, 0.5), (9.0, 300, 0.99), (1.0, 2, 0.3), (0.5, None, 0.95)])]
+    sampler = Sampler(torch.device(DEVICE), "triton")
+    for draw in range(3):
+        tokens = sampler.sample_tensor(masked, opts, [draw] * rows, list(range(rows))).tolist()
+        assert all(allowed[i, t] for i, t in enumerate(tokens)), tokens

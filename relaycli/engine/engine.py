@@ -6,23 +6,25 @@ prints; progress is reported through an optional callback.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
+from relaycli.engine.completions import Completion, Group, completion_of, result_row, row_sequences
 from relaycli.engine.block_manager import BlockManager
+from relaycli.engine.constraints import ConstraintError, Grammars
 from relaycli.engine.feed import Feed, Prefetch, feed_of
+from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
 from relaycli.engine.module_prefixes import ModulePrefixes
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.engine.stats import EngineStats
-from relaycli.engine.stops import StopWatch, first_stop
+from relaycli.engine.stops import StopWatch
+from relaycli.engine.vocab import Vocab
 from relaycli.io.requests import RequestRow, ResultRow
 from relaycli.module_rows import ModulePick
 from relaycli.prompts import PromptError, PromptMatcher
@@ -42,26 +44,8 @@ class TokenRequest:
     prefix_slot: int | None = None
     url: str | None = None
     module_pick: ModulePick | None = None  # prompt modules: the prefix is built on admission
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Exempt every object alive on entry (modules, the model, the engine) from Python's
-    cyclic garbage collection until exit. A full collection walks every tracked object:
-    about 0.08 s with torch and a small model loaded on a 2-core CPU, more with Triton
-    and transformers, and a job triggers one at unpredictable steps. Inside, collections
-    walk only what the job itself allocates. Garbage is collected once on entry (it would
-    otherwise be kept), and the heap is unfrozen on exit, so engine cycles freed after
-    the job can still be collected. Nested inside another freeze, it leaves the
-    unfreezing to that one (gc.unfreeze has no partial form)."""
-    nested = gc.get_freeze_count() > 0
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        if not nested:
-            gc.unfreeze()
+    grammar: object | None = None  # the compiled constraint its answers must match
+    n: int = 1  # completions, sharing the prompt's KV
 
 
 @dataclass
@@ -71,6 +55,8 @@ class _Live:
     id: str
     url: str | None
     watch: StopWatch | None  # rows with stop strings: their text, decoded as it grows
+    index: int = 0  # which of the row's completions
+    group: Group | None = None  # n > 1: the row's completions so far
 
 
 class Engine:
@@ -95,6 +81,9 @@ class Engine:
         self.max_context = loaded.config.max_position_embeddings
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else frozenset(loaded.config.eos_token_ids)
         self.eos_ids = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
+        vocab_size = loaded.config.vocab_size
+        self.grammars = Grammars(loaded.tokenizer, vocab_size, self.eos_ids) if loaded.tokenizer else None
+        self._vocab: Vocab | None = None  # token texts, made when a row first asks for logprobs
         self.stats = EngineStats(graphs_available=self.runner.graphs is not None, keep_logs=keep_step_logs)
         self._seq_ids = itertools.count()
         self._live: dict[int, _Live] = {}
@@ -132,11 +121,18 @@ class Engine:
             max_tokens=sp.max_tokens if sp.max_tokens is not None else self.max_context,
             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             seed=sp.seed if sp.seed is not None else row.row_index, stop=tuple(sp.stop),
-            ignore_eos=sp.ignore_eos)
-        if pick is not None:
+            ignore_eos=sp.ignore_eos, logprobs=sp.logprobs)
+        grammar = None
+        if row.constraint is not None:  # compiled here, on the prefetch thread, once per distinct spec
+            try:
+                grammar = self.grammars.compile(row.constraint)
+            except ConstraintError as exc:
+                return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
+        if pick is not None:  # the module path's prefix is found (or built) on admission
             return TokenRequest(row.row_index, row.id, list(pick.extra_ids) + prepared.own_ids, opts, None, row.url,
-                                pick)
-        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url)
+                                pick, grammar, sp.n)
+        return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url,
+                            None, grammar, sp.n)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
         """Queue a request, or return its error row when it can never run."""
@@ -162,10 +158,19 @@ class Engine:
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
                                     f"{self.block_manager.num_blocks * self.runner.block_size}; lower max_tokens "
                                     "or raise --kv-cache-gb", req.url)
-        seq.sampling = SamplingOptions(max_new, opts.temperature, opts.top_p, opts.top_k, opts.seed, opts.stop,
-                                       opts.ignore_eos)
-        watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
-        self._live[seq.seq_id] = _Live(seq, req.row_index, req.id, req.url, watch)
+        forks_need = self.block_manager.blocks_with_forks(seq.num_own_tokens, req.n - 1)
+        if req.n > self.config.max_num_seqs or forks_need > self.block_manager.num_blocks:
+            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: n = {req.n} completions do not fit "
+                                    f"the batch ({self.config.max_num_seqs} sequences) or the KV cache; lower n or "
+                                    "raise --max-batch / --kv-cache-gb", req.url)
+        seq.sampling = replace(opts, max_tokens=max_new)
+        group = Group(req.n) if req.n > 1 else None
+        self.stats.forks += req.n - 1
+        matcher = (lambda: self.grammars.matcher(req.grammar)) if req.grammar is not None else None
+        for index, one in enumerate(row_sequences(seq, req.n, self._seq_ids.__next__, matcher,
+                                                  opts.logprobs is not None)):
+            watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
+            self._live[one.seq_id] = _Live(one, req.row_index, req.id, req.url, watch, index, group)
         self.scheduler.add(seq)
         return None
 
@@ -226,6 +231,10 @@ class Engine:
         t0 = time.perf_counter()
         finished: list[ResultRow] = []
         read = None  # the step read back here: this call's time is mostly waiting for it
+        if self._pending is not None and any(s.matcher is not None for s in self._pending.seqs):
+            # A constrained row's next mask depends on the token still being computed: read it first.
+            finished += self._read_back(self._pending)
+            read, self._pending = self._pending, None
         seqs, is_prefill = self.scheduler.schedule() if self.scheduler.num_unfinished else ([], False)
         self.stats.preemptions = self.scheduler.num_preemptions
         if not seqs and self._pending is None:
@@ -282,11 +291,20 @@ class Engine:
         now = None
         tokens = step.tokens_list()
         self.stats.device_wait_seconds += step.wait_seconds
-        for seq, index, tok in zip(step.seqs, step.indices, tokens):
+        logprobs = step.logprobs.rows_list() if step.logprobs is not None else {}
+        for b, (seq, index, tok) in enumerate(zip(step.seqs, step.indices, tokens)):
             live = self._live.get(seq.seq_id)
             if live is None:
                 continue  # it ended at an earlier token; this one was a spare step
             seq.output_ids[index] = tok
+            if b in logprobs:
+                seq.logprob_rows.append(logprobs[b])
+            if seq.matcher is not None and not seq.matcher.accept(tok):
+                seq.finish_reason = "error"  # the mask allowed it, so the grammar has a flaw
+                del seq.output_ids[index + 1:]
+                self.scheduler.finish(seq)
+                finished.extend(self._result(self._live.pop(seq.seq_id)))
+                continue
             if index == 0:
                 now = now or time.perf_counter()
                 seq.first_token_time = now
@@ -297,26 +315,30 @@ class Engine:
                 self.scheduler.finish(seq)
             elif not (seq.is_finished and index == len(seq.output_ids) - 1):
                 continue  # still going (or its last token is still to come)
-            finished.append(self._result(self._live.pop(seq.seq_id)))
+            finished.extend(self._result(self._live.pop(seq.seq_id)))
         return finished
 
     def _stops(self, seq: Sequence, tok: int, index: int, watch: StopWatch | None) -> bool:
-        """Does output token `index` (= tok) end the sequence: EOS, or a stop string?"""
+        """Does output token `index` (= tok) end the sequence: EOS, its grammar's end, or a stop string?"""
+        if seq.matcher is not None and seq.matcher.is_done:
+            return True  # (also with ignore_eos: nothing may follow the end of its grammar)
         if not seq.sampling.ignore_eos and tok in self.eos_ids:
             return True
         return watch is not None and watch.push(seq.output_ids, index + 1) is not None
 
-    def _result(self, live: _Live) -> ResultRow:
+    def _result(self, live: _Live) -> list[ResultRow]:
+        """The row's result once its (last) completion has ended; [] while others run."""
         seq = live.seq
-        ids = seq.output_ids
-        if self.token_ids_by_row is not None:
-            self.token_ids_by_row[live.row_index] = list(ids)
-        if seq.finish_reason == "stop" and not seq.sampling.ignore_eos and ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]  # the end-of-sequence token is no part of the answer
-        text = self.loaded.tokenizer.decode(ids) if self.loaded.tokenizer is not None else ""
-        if seq.finish_reason == "stop" and live.watch is not None:
-            cut = first_stop(text, live.watch.stops)
-            text = text if cut is None else text[:cut]
-        return ResultRow(row_index=live.row_index, id=live.id, text=text, finish_reason=seq.finish_reason,
-                         prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prefix_tokens,
-                         completion_tokens=seq.num_completion_tokens, error=None, url=live.url)
+        if self.token_ids_by_row is not None and live.index == 0:
+            self.token_ids_by_row[live.row_index] = list(seq.output_ids)
+        if seq.logprob_rows is not None and self._vocab is None and self.loaded.tokenizer is not None:
+            self._vocab = Vocab(self.loaded.tokenizer, self.loaded.config.vocab_size)
+        done = completion_of(seq, live.index, live.watch.stops if live.watch else None, self.eos_ids,
+                             self.loaded.tokenizer.decode if self.loaded.tokenizer is not None else None, self._vocab)
+        completions: list[Completion] = [done]
+        if live.group is not None:
+            live.group.done[live.index] = done
+            if not live.group.complete:
+                return []
+            completions = [live.group.done[i] for i in range(live.group.n)]
+        return [result_row(live.row_index, live.id, live.url, seq, completions, len(completions))]

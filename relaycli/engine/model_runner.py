@@ -16,6 +16,8 @@ from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.errors import ConfigError
+from relaycli.engine.constraints import apply_masks
+from relaycli.engine.logprobs import StepLogprobs, step_logprobs
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
 from relaycli.engine.staging import to_device
@@ -234,7 +236,9 @@ class ModelRunner:
             eager_reason = self.graphs.eager_reason if key is None else None
         if key is not None:  # the rows in the order the graph runs them (by prefix; the fused plan's deal)
             seqs = self.graphs.deal(seqs, key)
-        num_new = sum(s.num_own_tokens - s.num_cached_own for s in seqs) if is_prefill else len(seqs)
+        # A prefill computes the sequences that are not forks; a fork takes its parent's logits.
+        computed = [s for s in seqs if s.fork_of is None] if is_prefill else seqs
+        num_new = sum(s.num_own_tokens - s.num_cached_own for s in computed) if is_prefill else len(seqs)
         num_context = sum(s.num_own_tokens for s in seqs)  # decode: the own keys its queries attend to
         if is_prefill:
             assert prev is None or not any(s.seq_id in prev.rows for s in seqs), \
@@ -244,16 +248,40 @@ class ModelRunner:
         if key is not None:
             logits = self.graphs.run(seqs, key, decode_ids)
         else:
-            input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill, decode_ids)
+            input_ids, positions, meta, last_rows = self.prepare(computed, is_prefill, decode_ids)
             hidden = self.model(input_ids, positions, self.attention.attend_fn(meta), self.layer_ops)
             logits = self.model.compute_logits(hidden[last_rows])
-        tokens = self.sampler.sample_tensor(logits, [s.sampling for s in seqs], [len(s.output_ids) for s in seqs])
+            if len(computed) < len(seqs):
+                logits = self._fork(seqs, computed, logits)
+        masked = [b for b, s in enumerate(seqs) if s.matcher is not None]
+        if masked:  # constrained rows: their grammar's mask
+            logits = apply_masks(logits, [s.matcher for s in seqs])
+        tokens = self.sampler.sample_tensor(logits, [s.sampling for s in seqs], [len(s.output_ids) for s in seqs],
+                                            masked)
+        logprobs = step_logprobs(logits, tokens, [s.sampling.logprobs for s in seqs])
         indices = []
         for seq in seqs:
             seq.num_cached_own = seq.num_own_tokens
             indices.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER_TOKEN)
-        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context, key is not None, eager_reason)
+        return StepHandle(seqs, is_prefill, indices, tokens, num_new, num_context, key is not None, eager_reason,
+                          logprobs)
+
+    def _fork(self, seqs: list[Sequence], computed: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """A prefill's logits for every sequence, forks taking their parent's row; each
+        fork's copy of its parent's partial last block is queued after the prefill wrote it."""
+        row = {s.seq_id: i for i, s in enumerate(computed)}
+        src = [row[(s.fork_of or s).seq_id] for s in seqs]
+        copies = [s.copy_block for s in seqs if s.copy_block is not None]
+        if copies:
+            dev = self.device
+            frm = to_device([a for a, _ in copies], torch.int64, dev)
+            to = to_device([b for _, b in copies], torch.int64, dev)
+            for cache in (*self.k_caches, *self.v_caches):
+                cache.index_copy_(0, to, cache.index_select(0, frm))
+        for s in seqs:
+            s.fork_of, s.copy_block = None, None
+        return logits.index_select(0, to_device(src, torch.int64, self.device))
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step, waited for: the next token of each sequence (appended to its output_ids)."""
@@ -273,8 +301,9 @@ class StepHandle:
 
     def __init__(self, seqs: list[Sequence], is_prefill: bool, indices: list[int], tokens: torch.Tensor,
                  num_new_tokens: int, num_context_tokens: int, graphed: bool = False,
-                 eager_reason: str | None = None) -> None:
+                 eager_reason: str | None = None, logprobs: StepLogprobs | None = None) -> None:
         self.seqs, self.is_prefill, self.indices = seqs, is_prefill, indices
+        self.logprobs = logprobs  # the rows that asked for logprobs (copied back with the tokens)
         self.graphed = graphed  # replayed from a CUDA graph
         self.eager_reason = eager_reason  # why a decode step that could have been graphed was not
         self.num_new_tokens = num_new_tokens  # tokens this step computed

@@ -78,6 +78,26 @@ def _threshold_of_sorted(scaled: torch.Tensor, head: torch.Tensor, top_k: torch.
     return torch.maximum(k_value, p_value)
 
 
+# How far below a masked row's smallest allowed logit its forbidden tokens are put, in units
+# of its temperature: 64 exceeds the widest spread of two fp32 Gumbel draws (about 21), so
+# a forbidden token is never drawn, and its probability (e**-64 at most) moves no threshold.
+MASK_GAP = 64.0
+
+
+def floor_masked(logits: torch.Tensor, rows: list[int], temperatures: list[float]) -> torch.Tensor:
+    """logits with the -inf of the given rows replaced by their smallest finite value minus
+    MASK_GAP x temperature (1 for greedy rows): the same draws from finite values."""
+    dev = logits.device
+    index = to_device(rows, torch.int64, dev)
+    gap = to_device([MASK_GAP * (t if t > 0 else 1.0) for t in temperatures], torch.float32, dev)
+    part = logits.index_select(0, index).float()
+    finite = torch.isfinite(part)
+    floor = torch.where(finite, part, float("inf")).amin(dim=-1) - gap
+    out = logits.clone()
+    out[index] = torch.where(finite, part, floor[:, None]).to(logits.dtype)
+    return out
+
+
 CPU_CANDIDATES = 1024  # tokens the CPU looks among for top-k / top-p before sorting a whole row
 
 _MASK64 = (1 << 64) - 1
@@ -122,18 +142,22 @@ class Sampler:
         """logits [B, V] (fp32, bf16 or fp16) -> one token id per row (waits for the device)."""
         return self.sample_tensor(logits, options, draws).tolist()
 
-    def sample_tensor(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:
+    def sample_tensor(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int],
+                      masked: list[int] = ()) -> torch.Tensor:
         """logits [B, V] (fp32, bf16 or fp16) -> token ids [B] int64 on logits' device,
         without waiting for it. Rows are read in fp32 (widening is exact), so narrower
         logits give the tokens their fp32 copy would.
 
         draws[i]: how many tokens row i's request has drawn before this one (its output index).
+        masked: rows whose forbidden tokens are -inf (a constraint's mask).
         """
         if all(opt.is_greedy for opt in options):
             return logits.argmax(dim=-1)  # the same index in any float dtype
         if self.kernel == "triton":
             from relaycli.kernels import triton_sampler
             vocab = logits.shape[-1]
+            if masked:  # the kernels' threshold search takes finite values only
+                logits = floor_masked(logits, masked, [options[b].temperature for b in masked])
             params = triton_sampler.pack_params(
                 draw_seeds([o.seed for o in options], draws), [min(o.top_k or vocab, vocab) for o in options],
                 [o.temperature for o in options], [o.top_p for o in options])

@@ -7,7 +7,9 @@ only once min_prefill_seqs waiting sequences fit the free slots and blocks (or e
 waiting sequence does), and then runs until the slots are full. A prefill step is not
 captured in a CUDA graph, so each one costs a whole eager forward pass of host time;
 refilling a slot the moment one sequence finishes would pay that once per request.
-When the cache runs out during decode, the newest sequence is preempted: its blocks
+A row's n completions are forked from its sequence when its prefill is scheduled: they
+share its prompt's blocks and start from its prefill's logits, so the prompt is computed
+once. When the cache runs out during decode, the newest sequence is preempted: its blocks
 are freed and it is recomputed later (its prefix is never recomputed). A decode step
 lists its sequences longest own context first.
 """
@@ -55,6 +57,8 @@ class Scheduler:
             own = seq.num_own_tokens
             if scheduled and num_tokens + own > self.max_num_batched_tokens:
                 break
+            if len(self.running) + len(scheduled) + 1 + len(seq.forks) > self.max_num_seqs:
+                break
             if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
@@ -62,6 +66,11 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             scheduled.append(seq)
             num_tokens += own
+            for child in seq.forks:  # the row's other completions: its prompt KV, shared
+                self.block_manager.fork(seq, child)
+                child.status = SequenceStatus.RUNNING
+                scheduled.append(child)
+            seq.forks = []
         if scheduled:
             self.running.extend(scheduled)
             return scheduled, True

@@ -30,6 +30,7 @@ class SamplingOptions:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; else alternatives per token (relaycli/engine/logprobs.py)
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW:
@@ -61,6 +62,12 @@ class Sequence:
     arrival_time: float = 0.0  # perf_counter when admitted
     first_token_time: float | None = None  # perf_counter when its first token was sampled
     first_position: int | None = None  # the position of own token 0; None: num_prefix_tokens
+    # Structured answers (all None/empty for a plain row):
+    matcher: object | None = None  # its grammar matcher (relaycli/engine/constraints.py)
+    logprob_rows: list | None = None  # per output token: (logprob, top ids, top logprobs)
+    forks: list[Sequence] = field(default_factory=list)  # completions 1..n-1, forked at its prefill
+    fork_of: Sequence | None = None  # a fork before its first step: its prompt KV is this one's
+    copy_block: tuple[int, int] | None = None  # (from, to): the fork's copy of its parent's last, partial block
 
     def __post_init__(self) -> None:
         if (self.prefix_slot is None) != (self.num_prefix_tokens == 0):

@@ -88,6 +88,7 @@ class EngineStats:
     prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
     device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
     prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
+    forks: int = 0  # completions 2..n of rows with n > 1: their prompt's KV is the row's, not prefilled again
     keep_logs: bool = field(default=False, repr=False)  # keep the per-row and per-step lists below
     ttft: Summary = field(default_factory=Summary, repr=False)  # time to first token, per row
     decode_step: Summary = field(default_factory=Summary, repr=False)  # seconds, per decode step

@@ -28,16 +28,40 @@ def openai_line(row: dict, model: str, created: int) -> dict:
         line["error"] = {"code": "relay_error", "message": row["error"]}
         return line
     chat = row["url"] != OPENAI_URLS[1]
-    choice = {"index": 0, "logprobs": None, "finish_reason": row["finish_reason"]}
-    choice.update({"message": {"role": "assistant", "content": row["text"]}} if chat else {"text": row["text"]})
+    completions = row.get("completions") or [{"index": 0, "text": row["text"], "finish_reason": row["finish_reason"],
+                                               "logprobs": row.get("logprobs")}]
+    choices = []
+    for c in completions:
+        choice = {"index": c["index"], "logprobs": _openai_logprobs(c["logprobs"], chat),
+                  "finish_reason": c["finish_reason"]}
+        choice.update({"message": {"role": "assistant", "content": c["text"]}} if chat else {"text": c["text"]})
+        choices.append(choice)
     usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
              "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
              "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]}}
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[24:48]}",
             "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage}
+            "created": created, "model": model, "choices": choices, "usage": usage}
     line["response"] = {"status_code": 200, "request_id": digest[48:64], "body": body}
     return line
+
+
+def _openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
+    """OpenAI's logprobs object: chat's {content: [...]}, or the completions endpoint's
+    {tokens, token_logprobs, top_logprobs, text_offset}."""
+    if entries is None:
+        return None
+    if chat:
+        return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                             "top_logprobs": [dict(t) for t in e["top_logprobs"]]} for e in entries],
+                "refusal": None}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def complete_rows(path: Path, fmt: str) -> Iterator[tuple[str, bool]]:

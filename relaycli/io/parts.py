@@ -19,16 +19,32 @@ import pyarrow.parquet as pq
 
 from relaycli.io.failures import read_failure
 
-OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error")
+BASE_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error")
+# Per generated token: its text, log-probability, UTF-8 bytes and the top alternatives.
+_TOP = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float64()),
+                  pa.field("bytes", pa.list_(pa.int32()))])
+LOGPROBS_TYPE = pa.list_(pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float64()),
+                                    pa.field("bytes", pa.list_(pa.int32())),
+                                    pa.field("top_logprobs", pa.list_(_TOP))]))
+COMPLETIONS_TYPE = pa.list_(pa.struct([
+    pa.field("index", pa.int64()), pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
+    pa.field("completion_tokens", pa.int64()), pa.field("logprobs", LOGPROBS_TYPE)]))
+# logprobs: null unless the row asks; completions: null unless the row asks for n > 1.
+EXTRA_COLUMNS = ("logprobs", "completions")
+OUTPUT_COLUMNS = BASE_COLUMNS + EXTRA_COLUMNS
 OUTPUT_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False), pa.field("text", pa.string(), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),
     pa.field("prompt_tokens", pa.int64(), nullable=False), pa.field("cached_tokens", pa.int64(), nullable=False),
     pa.field("completion_tokens", pa.int64(), nullable=False), pa.field("error", pa.string()),
+    pa.field("logprobs", LOGPROBS_TYPE), pa.field("completions", COMPLETIONS_TYPE),
 ])
-# Parts also keep the row index (for ordering and resume) and the OpenAI url (for its output shape).
-PART_SCHEMA = pa.schema([pa.field("row_index", pa.int64(), nullable=False), *OUTPUT_SCHEMA,
-                          pa.field("url", pa.string())])
+# Parts also keep the row index (for ordering and resume) and the OpenAI url (for its output
+# shape); they hold logprobs and completions as JSON text (two columns, not a dozen nested
+# ones in every small part's footer), which the final output turns back (output_row).
+PART_SCHEMA = pa.schema([pa.field("row_index", pa.int64(), nullable=False),
+                         *(OUTPUT_SCHEMA.field(name) for name in BASE_COLUMNS),
+                         *(pa.field(name, pa.string()) for name in EXTRA_COLUMNS), pa.field("url", pa.string())])
 TMP = ".tmp-"  # prefix of every file not yet renamed into place; never a finished part
 MERGE_ROWS = 16384  # rows the readers of one merge hold at once, together: its memory whatever the job's size
 WRITE_ROWS = 4096  # rows per Parquet batch of the output
@@ -68,7 +84,19 @@ def write_json(path: Path, data) -> None:
 
 
 def rows_table(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pydict({f.name: [r[f.name] for r in rows] for f in PART_SCHEMA}, schema=PART_SCHEMA)
+    """A part of result rows (ResultRow fields): logprobs and completions as JSON text."""
+    def value(r: dict, name: str):
+        v = r[name]
+        return json.dumps(v, ensure_ascii=False) if name in EXTRA_COLUMNS and v is not None else v
+    return pa.Table.from_pydict({f.name: [value(r, f.name) for r in rows] for f in PART_SCHEMA}, schema=PART_SCHEMA)
+
+
+def output_row(part_row: dict) -> dict:
+    """A row read from a part, its logprobs and completions back as lists."""
+    for name in EXTRA_COLUMNS:
+        if part_row[name] is not None:
+            part_row[name] = json.loads(part_row[name])
+    return part_row
 
 
 def read_part(path: Path, batch_rows: int = 512) -> Iterator[dict]:

@@ -13,6 +13,8 @@ from typing import Any
 
 from relaycli.errors import ConfigError
 from relaycli.io.module_field import parse_modules as _modules
+from relaycli.io.structured import (MAX_N, MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError, parse_constraint,
+                                    parse_logprobs, parse_n)
 
 FINISH_REASONS = ("stop", "length", "error")
 ROLES = ("system", "user", "assistant")
@@ -74,8 +76,15 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; else alternatives per token (0..20)
+    n: int = 1  # completions of the row
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}, "
+                             f"got {_show(self.logprobs)}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer from 1 to {MAX_N}, got {_show(self.n)}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}")
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -152,6 +161,7 @@ class RequestRow:
     # prompt modules: [{"name": module, parameter: value, ...}] of a loaded library
     modules: list[dict] | None = None
     schema: str | None = None  # names the library (its schema's or its file's name)
+    constraint: ConstraintSpec | None = None  # what the answer must match (schema, regex, choices, grammar)
 
     def __post_init__(self) -> None:
         if not _is_int(self.row_index) or self.row_index < 0:
@@ -162,6 +172,8 @@ class RequestRow:
             raise ValueError(f"schema must be a non-empty string, got {_show(self.schema)}")
         if not isinstance(self.id, str):
             raise ValueError(f"id must be a string, got {_show(self.id)}")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise ValueError(f"constraint must be a ConstraintSpec, got {type(self.constraint).__name__}")
         check_messages(self.messages)
         if self.system_prompt is not None and (not isinstance(self.system_prompt, str) or not self.system_prompt):
             raise ValueError(f"system_prompt must be a non-empty string, got {_show(self.system_prompt)}")
@@ -182,6 +194,11 @@ class ResultRow:
     completion_tokens: int = 0
     error: str | None = None  # set exactly when finish_reason == "error"
     url: str | None = None  # carried from the request for OpenAI-format output
+    # per generated token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}; None: not asked
+    logprobs: list[dict] | None = None
+    # n > 1: every completion {index, text, finish_reason, completion_tokens, logprobs}; the
+    # row's own text, finish_reason and logprobs are those of completion 0
+    completions: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.row_index) or self.row_index < 0:
@@ -278,8 +295,7 @@ def _stop(src: dict) -> list[str]:
 
 # Request fields relay does not implement, with the values that ask for nothing: any other
 # value would change the answer, so it is this row's error rather than silently ignored.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0,
-            "logit_bias": {}, "tools": [], "functions": [], "response_format": {"type": "text"}}
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": []}
 
 
 def _is_neutral(v: Any, neutral: Any) -> bool:
@@ -291,9 +307,8 @@ def _is_neutral(v: Any, neutral: Any) -> bool:
 def _check_unsupported(src: dict) -> None:
     for key, neutral in _NEUTRAL.items():
         if key in src and not _is_neutral(src[key], neutral):
-            why = ("relay returns one answer per row; repeat the row with other seeds for more" if key == "n"
-                   else "relay does not implement it")
-            raise _RowError(f"'{key}' = {_show(src[key])} is not supported ({why}); remove the field")
+            raise _RowError(f"'{key}' = {_show(src[key])} is not supported (relay does not implement it); "
+                            "remove the field")
 
 
 def _row_id(raw: dict, key: str, row_index: int) -> str:
@@ -384,12 +399,17 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
     chosen = {k: v if v is not None else fallback[k] for k, v in values.items()}
     stop = _stop(src)
     try:
-        sampling = SamplingParams(**chosen, stop=stop, ignore_eos=ignore_eos)
+        logprobs, n, constraint = parse_logprobs(src), parse_n(src), parse_constraint(src)
+    except StructuredError as e:
+        raise _RowError(str(e)) from None
+    try:
+        sampling = SamplingParams(**chosen, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs, n=n)
     except ValueError as e:  # a range rule of SamplingParams; its message starts with the field
         name, _, rest = str(e).partition(" ")
         raise _RowError(f"'{name}' {rest}; fix the value or leave the field out to use the default") from None
     return RequestRow(row_index=row_index, id=row_id, messages=messages, system_prompt=system_prompt,
-                      sampling=sampling, is_openai=is_openai, url=url, modules=modules, schema=schema)
+                      sampling=sampling, is_openai=is_openai, url=url, modules=modules, schema=schema,
+                      constraint=constraint)
 
 
 def parse_request(raw: dict | None, row_index: int,

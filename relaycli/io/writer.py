@@ -33,7 +33,8 @@ import pyarrow.parquet as pq
 from relaycli.io.failures import RESUME, OutputError, writing
 from relaycli.io.outfile import JOB_META_KEY, another_job, complete_rows, job_record_of, openai_line
 from relaycli.io.parts import (OUTPUT_COLUMNS, OUTPUT_SCHEMA, PART_SCHEMA, TMP, merge_parts,  # noqa: F401
-                               part_row_indices, rows_table, write_atomically, write_json, write_parquet)
+                               output_row, part_row_indices, rows_table, write_atomically, write_json,
+                               write_parquet)
 from relaycli.io.requests import ResultRow
 from relaycli.io.rowset import RowSet
 
@@ -295,6 +296,7 @@ class ResultWriter:
             yield row
 
     def _write_output(self, f, rows: Iterator[dict]) -> None:
+        rows = map(output_row, rows)
         if self.fmt == "parquet":
             schema = OUTPUT_SCHEMA
             if self.job is not None:
