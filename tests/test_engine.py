@@ -183,6 +183,22 @@ def test_a_row_that_fails_to_render_is_its_own_error_row(default_model, artifact
     out[1].error.encode("utf-8")  # the message itself is writable text
 
 
+def test_prompts_whose_kv_does_not_fit_the_device_are_refused_in_one_line(default_model, artifact, monkeypatch):
+    """An out-of-memory error while the prompts' KV moves to the device is a ConfigError
+    naming their size and the fix, raised before the cache is made."""
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if self.dim() == 3:  # a prefix's [S, Hkv, D] keys or values
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    with pytest.raises(ValueError, match=r"the prompts' KV \(\d+ tokens, .* GiB\) does not fit in cpu's free memory "
+                                         r"\(OutOfMemoryError\); pass fewer or shorter --prompt files"):
+        Engine(default_model, [artifact], EngineConfig())
+
+
 def test_engine_settings_that_cannot_work_are_refused_before_the_cache_is_made(default_model, artifact,
                                                                               monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Triton test files set it for their CPU runs

@@ -71,7 +71,17 @@ class ModelRunner:
         if config.attention_impl == "triton" and not triton_runs_on(self.device):
             raise ConfigError(f"--attention-impl triton needs a CUDA GPU with Triton, and this run is on "
                              f"{self.device}; use auto, torch or cpu-flash")
-        self.num_blocks = self._num_blocks(config)
+        impl = config.attention_impl
+        if impl == "auto":
+            impl = default_impl(self.device)
+        self.attention_impl = impl
+        # The prompts' KV goes to the device first, so the cache's budget is what is left.
+        prefixes = self._on_device(prefixes)
+        # Several prefixes are then copied into one store (kernels/metadata.py LayerPrefixes)
+        # while these copies are alive: the cache leaves room for that copy too.
+        store = impl == "triton"
+        copy_bytes = sum(t.nbytes for p in prefixes for t in (*p.keys, *p.values)) if store and len(prefixes) > 1 else 0
+        self.num_blocks = self._num_blocks(config, copy_bytes)
         # One more block than the block manager hands out: a scratch block that padded
         # rows of a graphed decode step write to.
         shape = (self.num_blocks + 1, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
@@ -84,17 +94,12 @@ class ModelRunner:
             gib = (self.num_blocks + 1) * self.bytes_per_block() / 1024**3
             raise ConfigError(f"the KV cache ({gib:.1f} GiB) does not fit in {self.device}'s memory "
                              f"({type(exc).__name__}); lower --kv-cache-gb or leave it out") from None
-        impl = config.attention_impl
-        if impl == "auto":
-            impl = default_impl(self.device)
-        self.attention_impl = impl
         # The Triton impl keeps each layer's prefixes in one store: a decode step whose rows
         # use several of them reads it through a PrefixTable (one graph for any mix).
         self.attention = PagedAttention(self.k_caches, self.v_caches,
-                                        [([k.to(self.device, self.dtype) for k in p.keys],
-                                          [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes],
+                                        [(p.keys, p.values) for p in prefixes],
                                         "relay" if config.relay else "no-relay", impl,
-                                        self.mc.head_dim ** -0.5, store=impl == "triton")
+                                        self.mc.head_dim ** -0.5, store=store)
         layers = self.attention.prefix_layers
         self.prefixes = [PrefixKV([layer[i][0] for layer in layers], [layer[i][1] for layer in layers])
                          for i in range(len(prefixes))]
@@ -129,6 +134,19 @@ class ModelRunner:
             self.graphs.num_captures, self.graphs.capture_seconds = old.num_captures, old.capture_seconds
         return len(self.prefixes) - 1
 
+    def _on_device(self, prefixes: list[PrefixKV]) -> list[PrefixKV]:
+        """The prefixes' KV in the run's device and dtype; ConfigError where it does not fit."""
+        try:
+            return [PrefixKV([k.to(self.device, self.dtype) for k in p.keys],
+                             [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes]
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            if "out of memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                raise
+            tokens = sum(p.num_tokens for p in prefixes)
+            gib = tokens * self.bytes_per_block() / self.block_size / 1024**3
+            raise ConfigError(f"the prompts' KV ({tokens} tokens, {gib:.1f} GiB) does not fit in {self.device}'s "
+                             f"free memory ({type(exc).__name__}); pass fewer or shorter --prompt files") from None
+
     def bytes_per_block(self) -> int:
         return (2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim
                 * self.dtype.itemsize)
@@ -142,16 +160,16 @@ class ModelRunner:
             return torch.cuda.mem_get_info(self.device)[0]
         return _available_cpu_bytes()
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig, copy_bytes: int = 0) -> int:
         per_block = self.bytes_per_block()
         if config.kv_cache_gb is not None:
             budget = config.kv_cache_gb * 1024**3
-            free = self._free_bytes()
+            free = self._free_bytes() - copy_bytes
             if budget > free:  # on the CPU an allocation this large may succeed, then be killed when touched
                 raise ConfigError(f"--kv-cache-gb {config.kv_cache_gb:g} is more than the {free / 1024**3:.1f} GiB "
                                  f"free on {self.device}; lower it or leave it out")
         elif self.device.type == "cuda":
-            free = self._free_bytes()
+            free = self._free_bytes() - copy_bytes
             # Leave room for the activations of the largest prefill step (hidden states,
             # q/k/v, the MLP's gate/up and its product, in the run dtype) and the logits.
             per_token = 4 * self.mc.hidden_size + 3 * self.mc.intermediate_size
