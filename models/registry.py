@@ -93,6 +93,17 @@ def load_model(spec: str | None, dtype: str | None = None, device: str | None = 
     start = time.perf_counter()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    try:
+        loaded = _load(spec, dt, dev, seed)
+    except torch.OutOfMemoryError:
+        name = str(dt).removeprefix("torch.")
+        raise ModelConfigError(f"the model {spec or 'default'} does not fit in {dev}'s free memory in {name}; "
+                               "free the device or pass a smaller --dtype") from None
+    loaded.load_seconds = time.perf_counter() - start
+    return loaded
+
+
+def _load(spec: str | None, dt: torch.dtype, dev: torch.device, seed: int) -> LoadedModel:
     if spec is None or spec == "default":
         loaded = _load_gguf(default_gguf_path(), dt, dev, reference=f"default:{DEFAULT_MODEL_NAME}")
     elif spec.startswith("dummy:"):
@@ -108,7 +119,6 @@ def load_model(spec: str | None, dtype: str | None = None, device: str | None = 
             loaded = _load_hf_dir(path, dt, dev)
         else:
             raise ModelConfigError(f"{spec}: not a model directory or a .gguf file")
-    loaded.load_seconds = time.perf_counter() - start
     return loaded
 
 

@@ -345,3 +345,15 @@ def test_unknown_device_is_one_sentence(name):
     from relaycli.models.registry import resolve_device
     with pytest.raises(ModelConfigError, match="unknown device .*use cpu, cuda or cuda:N"):
         resolve_device(name)
+
+
+def test_a_model_that_does_not_fit_the_device_is_refused_in_one_line(monkeypatch):
+    from relaycli.models import registry
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(registry, "_load", oom)
+    with pytest.raises(ModelConfigError, match=r"the model dummy:llama3-8b does not fit in cpu's free memory in "
+                                               r"float32; free the device or pass a smaller --dtype"):
+        load_model("dummy:llama3-8b", dtype="float32", device="cpu")
