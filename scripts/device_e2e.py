@@ -7,7 +7,8 @@
    random weights, reported as identical whole sequences and as teacher-forced agreement
    (the share of relay's greedy tokens that transformers also picks given the same
    context, so one near-tie flip does not count every later token as a miss).
-3. wide: batch 256 over a 4,096-token prefix, bf16: relay against its older kernel path.
+3. wide: batch 256 over a 4,096-token prefix, bf16: relay with and without the fused
+   own-key kernel, and --no-relay.
 Writes e2e.json under $OUT (or ./out).
 """
 
