@@ -46,7 +46,6 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "How
              "How many legs does a spider have?", "Say something kind.", "What is Python?", "Count to five."]
 
 
-
 def hf_from_relay(lm, dtype=None):
     """transformers' Llama on relay's own weights (relay bench's twin), in dtype."""
     hf = hf_twin(lm)
@@ -158,8 +157,7 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
         agree_hf += sum(p == t for p, t in zip(pred, pred32))
         total += len(mine)
     assert len(results) == num_requests
-    del hf32
-    del hf, lm
+    del hf32, hf, lm
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -257,8 +255,8 @@ def main() -> None:
         report["wide_bfloat16"] = check_wide(args.device, "tiny" if args.quick else "llama3-8b", 64 if args.quick else 4096,
                                              8 if args.quick else 256, 8 if args.quick else 32, "bfloat16")
         print(report["wide_bfloat16"], flush=True)
-        (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
+
 
 if __name__ == "__main__":
     main()
