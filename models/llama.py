@@ -272,8 +272,7 @@ class CausalLM(nn.Module):
         [M, vocab] (that dtype, contiguous) if given.
 
         They are not widened to fp32 here: the sampler reads them in fp32 itself, which
-        gives the same values (bf16 to fp32 is exact) without a [M, vocab] fp32 copy a step
-        (about 50 us and 0.13 GB at 256 rows of a 128k vocabulary on an H200)."""
+        gives the same values (bf16 to fp32 is exact) without a [M, vocab] fp32 copy a step."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
             return nn.functional.linear(hidden, weight)

@@ -7,7 +7,8 @@
    random weights, reported as identical whole sequences and as teacher-forced agreement
    (the share of relay's greedy tokens that transformers also picks given the same
    context, so one near-tie flip does not count every later token as a miss).
-3. wide: batch 256 over a 4,096-token prefix, bf16: relay against its older kernel path.
+3. wide: batch 256 over a 4,096-token prefix, bf16: relay with and without the fused
+   own-key kernel, and --no-relay.
 Writes e2e.json under $OUT (or ./out).
 """
 
@@ -43,7 +44,6 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "How
              "Describe a cat in one sentence.", "What is the boiling point of water?", "Name a planet.",
              "Suggest a name for a bakery.", "Why do leaves change colour?", "hi", "What is a prime number?",
              "How many legs does a spider have?", "Say something kind.", "What is Python?", "Count to five."]
-
 
 
 def hf_from_relay(lm, dtype=None):
@@ -157,8 +157,7 @@ def check_dummy(device: str, preset: str, max_tokens: int, num_requests: int, dt
         agree_hf += sum(p == t for p, t in zip(pred, pred32))
         total += len(mine)
     assert len(results) == num_requests
-    del hf32
-    del hf, lm
+    del hf32, hf, lm
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -256,8 +255,8 @@ def main() -> None:
         report["wide_bfloat16"] = check_wide(args.device, "tiny" if args.quick else "llama3-8b", 64 if args.quick else 4096,
                                              8 if args.quick else 256, 8 if args.quick else 32, "bfloat16")
         print(report["wide_bfloat16"], flush=True)
-        (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
+
 
 if __name__ == "__main__":
     main()

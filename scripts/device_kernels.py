@@ -3,13 +3,14 @@
 
 Measures in one run: copy bandwidth (read + write bytes) and bf16 matmul rate, then for
 llama2-7b heads (Hq=Hkv=32, D=128) and llama3-8b heads (Hq=32, Hkv=8, D=128), batch 64
-and 256, prefix 8192 (--prefixes), 128 own keys per request (decode, bf16, 16-token pages):
-(a) the system-attention kernel alone, (b) whole relay attention, (c) the no-relay paged
-baseline, (d) per-request cuDNN SDPA on contiguous KV, and (e) the baseline at batch 64
-with 8192 own keys each against copy bandwidth. Every kernel is first checked against
-kernels/reference.py in fp32. Every time is taken twice, with the L2 emptied before each
-run by reading a large buffer (clean: the % of floor) and by zeroing one as triton's
-do_bench does (dirty: the run also writes those lines back; relaycli/bench/timing.py).
+and 256, prefix 8192 (--prefixes), 128 own keys per request (decode, bf16, the engine's
+64-key blocks): (a) the system-attention kernel alone, (b) whole relay attention, (c) the
+no-relay paged baseline, (d) per-request cuDNN SDPA on contiguous KV, and (e) the
+baseline at batch 64 with 8192 own keys each against copy bandwidth. Every kernel is
+first checked against kernels/reference.py in fp32. Every time is taken twice, with the
+L2 emptied before each run by reading a large buffer (clean: the % of floor) and by
+zeroing one as triton's do_bench does (dirty: the run also writes those lines back;
+relaycli/bench/timing.py).
 Writes kernels.json and kernels.md to $OUT (else ./out) and prints the table last.
 --sweep also times alternative tile configs.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -64,18 +66,7 @@ PAGED_SWEEP = [Tile(16, n, w, s, per_sm=4, heads_fast=hf)
                for n, w, s in [(32, 2, 3), (64, 4, 3), (64, 4, 4)]]
 rows: list[dict] = []
 checks: list[dict] = []
-FLUSHERS: dict = {}
-
-
-def flusher(name: str):
-    if name not in FLUSHERS:  # one 256 MB buffer per way of emptying the L2, made on first use
-        FLUSHERS[name] = l2_flusher(name)
-    return FLUSHERS[name]
-
-
-def bench_us(fn) -> float:
-    """GPU time of fn in microseconds, the L2 emptied clean before each run (bench_both_us)."""
-    return bench_both_us(fn, both=False)[0]
+flusher = functools.cache(l2_flusher)  # one 256 MB buffer per way of emptying the L2, made on first use
 
 
 def bench_both_us(fn, both: bool = True) -> tuple[float, float | None]:
@@ -106,12 +97,6 @@ def eager_us(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def ceilings(dev) -> dict:
-    """relay bench's ceilings (best of 5: a 1 GiB bf16 copy, an 8192^3 bf16 matmul)."""
-    ceil = measure_ceilings(dev, torch.bfloat16)
-    return dict(copy_bytes_per_s=ceil.bandwidth, bf16_flops_per_s=ceil.matmul_rate)
-
-
 def build(hq, hkv, d, batch, prefix, own, dev, page=None, dtype=torch.bfloat16):
     """Decode step: q [B, Hq, D], shuffled paged own keys, one prefix shared by every request.
     Fresh random inputs every call (relay bench's builder, with a randomly seeded generator).
@@ -128,26 +113,8 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     print(f"check {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def check_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """A check that two ways of computing the same thing give the same bits."""
-    ok = torch.equal(got, want)
-    checks.append(dict(name=name, rel_err=None, ok=ok))
-    print(f"check {name}: {'same bits' if ok else 'bits differ FAIL'}", flush=True)
-
-
-def save_rows(path: Path, ceil: dict, rows: list) -> None:
-    """A device script's results so far, with the ceilings and every check (rewritten after
-    each shape, so a run cut off by its time limit keeps what it did)."""
-    path.write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows, checks=checks),
-                               indent=1))
-
-
-def report_checks() -> None:
-    print(f"{len(checks)} checks, {sum(not c['ok'] for c in checks)} failed", flush=True)
-
-
 def add(case, kernel, times, nbytes, flops, ceil, cudnn=None, config=None, eager=None):
-    """times, cudnn: bench_us's (clean, dirty) pair; the clean time is the row's time."""
+    """times, cudnn: bench_both_us's (clean, dirty) pair; the clean time is the row's time."""
     (t_us, t_dirty), cudnn_us = times, cudnn[0] if cudnn else None
     floor = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"]) * 1e6
     bound = "bytes" if nbytes / ceil["copy_bytes_per_s"] >= flops / ceil["bf16_flops_per_s"] else "flops"
@@ -329,7 +296,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(dev)
     info = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
                 triton=triton.__version__)
-    ceil = ceilings(dev)
+    c = measure_ceilings(dev, torch.bfloat16)  # best of 5: a 1 GiB bf16 copy, an 8192^3 bf16 matmul
+    ceil = dict(copy_bytes_per_s=c.bandwidth, bf16_flops_per_s=c.matmul_rate)
     print(f"ceilings: {ceil}", flush=True)
     errors = []
     for name, (hq, hkv, d) in HEADS.items():

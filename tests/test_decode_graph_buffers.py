@@ -248,7 +248,7 @@ def test_fused_tile_is_wide_where_a_kv_head_has_four_row_tiles():
 
 def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     """Where the fused own-key step runs (sm_90, 64-key blocks, 16-bit) and pays: the
-    H200 tables in triton_plan.fused_decode_plan's docstring."""
+    rule in triton_plan.fused_decode_plan's docstring (measurements: docs/kernels.md)."""
     from relaycli.kernels import planner, triton_plan
     monkeypatch.setattr(triton_plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_plan, "is_sm90", lambda device: True)
@@ -257,12 +257,12 @@ def test_fused_decode_plan_follows_the_measured_table(monkeypatch):
     def plan(batch, prefix, own, heads=(32, 8, 128), elem=2, block=64, longest=256):
         hq, hkv, d = heads
         return triton_plan.fused_decode_plan(batch, hq, hkv, d, elem, block, cpu, prefix, batch * own, longest)
-    # llama3-8b heads: the shapes where it was faster, with the split counts timed there
+    # llama3-8b heads: the shapes where it is faster, with the split counts timed there
     assert plan(256, 8192, 128) == 2 and plan(128, 8192, 128) == 4 and plan(64, 8192, 128) == 8
     assert plan(256, 2048, 128) == 2 and plan(256, 4096, 200) == 2
     assert plan(64, 16384, 128) == 8 and plan(64, 4096, 32) == 8 and plan(16, 8192, 128) is not None
     assert plan(256, 8192, 128, heads=(32, 32, 128)) == 2 and plan(64, 8192, 128, heads=(32, 32, 128)) == 4
-    # where the older plan was as fast or faster: its context kernel beside a resident system
+    # where the overlapped plan is as fast or faster: its context kernel beside a resident system
     # kernel at batch 64 (more than twice as many own chunks as prefix tiles a program), and
     # a prefix too short to hide the own keys behind; a row longer than twice a program's
     # prefix tiles; ShareGPT-like rows (about 400 own keys) under a long prefix, dealt evenly

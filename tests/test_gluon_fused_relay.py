@@ -1,6 +1,6 @@
 """kernels/gluon_fused_relay.py (own keys inside the warp-specialised system program) against
 kernels/reference.py on fresh random inputs. Hopper only: Gluon has no interpreter, so
-these run on the H200 (scripts/device_check.sh fused) and skip elsewhere."""
+these run on a Hopper GPU (scripts/device_check.sh tests) and skip elsewhere."""
 
 import dataclasses
 import random

@@ -155,7 +155,7 @@ def kernels_table(report: dict) -> Table:
     h = report["heads"]
     title = (f"relay bench kernels ({report['impl']}): Hq={h['q_heads']} Hkv={h['kv_heads']} D={h['head_dim']} "
              f"{report['dtype']} on {report['machine'].get('gpu', 'cpu')}; {_ceilings(report)}")
-    if report["impl"] == "triton":  # CUDA timings: say how the L2 was emptied (older reports: do_bench's way)
+    if report["impl"] == "triton":  # CUDA timings: say how the L2 was emptied (reports without the field: do_bench's way)
         title += f"; L2 emptied {report['options'].get('l2_flush', 'dirty')} before each run"
     t = Table(title=title, title_justify="left")
     for col in ("kernel", "S", "batch", "own", "time (us)", "floor (us)", "bound", "% floor", "x no-relay",

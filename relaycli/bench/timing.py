@@ -3,8 +3,8 @@ for the emptying.
 
 `triton.testing.do_bench` empties the L2 by zeroing a 256 MB buffer before each run. That
 leaves every L2 line dirty, so the timed kernel's first reads evict lines that must be
-written back to HBM first: up to an L2 (60 MB on the H200) of extra writes inside the
-timed region, about 14 us at copy bandwidth, charged to a kernel that wrote none of it.
+written back to HBM first: up to a whole L2 of extra writes inside the timed region,
+charged to a kernel that wrote none of it.
 In a decode step the kernels before attention leave the L2 holding mostly clean lines
 (weights they read), so `flush="clean"` empties it by *reading* a buffer larger than the
 L2 and charges the run only for its own traffic. `flush="dirty"` reproduces do_bench.

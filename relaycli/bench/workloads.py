@@ -9,7 +9,7 @@ input and output lengths are log-normal, rounded to whole tokens and clipped,
 drawn with Python's `random.Random(seed)` (input then output, request by request),
 so a seed gives the same lengths on every machine and Python version >= 3.2.
 `fixed-IN-OUT` gives every request IN input and OUT output tokens: `fixed-128-256` and
-`fixed-256-512` are the issue's two, and `fixed-32-16` stands for the jobs relay is made
+`fixed-256-512` are the classic throughput shapes, and `fixed-32-16` stands for the jobs relay is made
 for (a long shared instruction, a short item and a short answer each: classification,
 extraction, grading).
 The system prompt comes on top of the input: these are each request's *own* tokens.

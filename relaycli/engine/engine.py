@@ -225,7 +225,7 @@ class Engine:
         seen a step late and has already been given one more step, whose token is dropped.
         A prefill is read back the same way: the decode step after it takes the prefill's
         tokens from the device, so the device does not wait for the host between the two
-        (that wait cost about 4 ms a prefill round for llama3-8b on an H200), and the
+        (docs/kernels.md has what that wait costs), and the
         rows' first tokens are read right after that decode is launched.
         """
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ Every row samples (temperature 1) and ignores EOS, so rows of a pair generate al
 (constrained rows still end where their grammar ends). Compare the runs' generated
 tokens per second from --stats-json.
 
-    python scripts/structured_workload.py OUTDIR [--rows 1000] [--max-tokens 64]
+    python examples/structured_workload.py OUTDIR [--rows 1000] [--max-tokens 64]
 """
 
 from __future__ import annotations
