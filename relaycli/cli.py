@@ -147,6 +147,7 @@ def run_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file, dummy:PRESET; default: embedded SmolLM2-135M-Instruct."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="One worker process per device: cuda:0,cuda:1 | all | cpu,cpu."),
     input_format: Optional[str] = typer.Option(None, "--format", help="Input format if the extension does not say: jsonl | parquet."),
     max_batch: int = typer.Option(64, "--max-batch", help="Sequences in flight."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for rows without one."),
@@ -169,6 +170,9 @@ def run_cmd(
     from relaycli.job import JobOptions
     from relaycli.ui import run_with_progress
     with _user_errors(), _interruptible(output_path):
+        if devices is not None:
+            from relaycli.parallel.devices import parse_devices
+            devices = parse_devices(devices)
         opts = JobOptions(
             input_path=input_path, output_path=output_path, prompt_paths=list(prompt), model=model,
             dtype=dtype, device=device, input_format=input_format, resume=resume, allow_cast=allow_cast,
@@ -176,7 +180,7 @@ def run_cmd(
                                      ignore_eos=ignore_eos),
             engine=EngineConfig(max_num_seqs=max_batch, kv_cache_gb=kv_cache_gb, relay=not no_relay,
                                 attention_impl=attention_impl),
-            stats_json=stats_json, flush_rows=flush_rows)
+            stats_json=stats_json, flush_rows=flush_rows, devices=devices)
         summary = run_with_progress(opts, quiet)
     if fail_on_error and summary.error_rows:
         err_console.print(f"[red]error:[/red] {summary.error_rows} rows of {escape(str(output_path))} are error rows "
