@@ -103,7 +103,7 @@ def _is_openai_input(source) -> bool:
     return False
 
 
-def _check_paths(opts: JobOptions) -> None:
+def check_paths(opts: JobOptions) -> None:
     """Files a job would destroy: refused before it opens anything. What the job reads
     (input, artifacts, a model file) must not be what it writes (--out, --stats-json)."""
     reads = [(opts.input_path, "the input file"), *((p, f"the --prompt artifact {p}") for p in opts.prompt_paths)]
@@ -178,7 +178,7 @@ def write_stats(opts: JobOptions, summary: JobSummary) -> None:
 
 def check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
     """Everything that can refuse the job from its paths alone, before any model loads."""
-    _check_paths(opts)
+    check_paths(opts)
     if opts.stats_json is not None:
         check_writable(Path(opts.stats_json), "--stats-json")
     source = open_requests(opts.input_path, opts.input_format)
