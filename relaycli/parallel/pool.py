@@ -66,7 +66,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, devices: list[str], spec: dict, window: int) -> None:
         """spec: what every worker loads (worker.main's spec, less the device)."""
-        self.window, self.chunk = window, max(1, window // 8)
+        self.window, self.chunk = window, max(1, min(window // 8, 16))
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or CUDA state
         self.workers: list[Worker] = []
         for index, device in enumerate(devices):
@@ -107,12 +107,14 @@ class WorkerPool:
             if not alive:
                 causes = "; ".join(f"{w.device}: {w.cause}" for w in self.workers)
                 raise WorkerError(f"every worker stopped ({causes}); {_RESUME}")
-            for w in sorted(alive, key=lambda w: len(w.in_flight)):
-                room = self.window - len(w.in_flight)
+            batches: dict[int, list[dict]] = {}
+            while retry or not exhausted:  # a chunk at a time to the worker holding the fewest rows
+                w = min(alive, key=lambda w: len(w.in_flight))
+                room = min(self.window - len(w.in_flight), self.chunk)
                 if room < self.chunk and w.in_flight:
-                    continue
-                batch = []
-                while len(batch) < room and (retry or not exhausted):
+                    break
+                batch = batches.setdefault(w.index, [])
+                for _ in range(room):
                     if retry:
                         message = retry.popleft()
                     else:
@@ -126,9 +128,10 @@ class WorkerPool:
                         message = request_message(row)
                     batch.append(message)
                     w.in_flight[message["row_index"]] = message
+            for index, batch in batches.items():
                 if batch:
                     try:
-                        send(w.rows_conn, {"type": "rows", "rows": batch})
+                        send(self.workers[index].rows_conn, {"type": "rows", "rows": batch})
                     except OSError:
                         pass  # it stopped: its results pipe says so, and its rows go to the others
             if exhausted and not retry and not any(w.in_flight for w in alive):
