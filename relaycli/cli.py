@@ -147,6 +147,7 @@ def run_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file, dummy:PRESET; default: embedded SmolLM2-135M-Instruct."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="One worker process per device: cuda:0,cuda:1 | all | cpu,cpu."),
     input_format: Optional[str] = typer.Option(None, "--format", help="Input format if the extension does not say: jsonl | parquet."),
     max_batch: int = typer.Option(64, "--max-batch", help="Sequences in flight."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for rows without one."),
@@ -162,6 +163,7 @@ def run_cmd(
     flush_rows: int = typer.Option(256, "--flush-rows", help="Answers saved per part (also every 10 s); a crash loses at most these."),
     fail_on_error: bool = typer.Option(False, "--fail-on-error", help="Exit 1 when any row became an error row."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress or summary, only errors."),
+    use_ray: bool = typer.Option(False, "--ray", help="Run on Ray Data (RAY_ADDRESS or a local cluster); OUT is a Parquet folder."),
 ) -> None:
     """Answer every request of a file, reusing compiled system prompts."""
     from relaycli.config import EngineConfig
@@ -169,6 +171,9 @@ def run_cmd(
     from relaycli.job import JobOptions
     from relaycli.ui import run_with_progress
     with _user_errors(), _interruptible(output_path):
+        if devices is not None:
+            from relaycli.parallel.devices import parse_devices
+            devices = parse_devices(devices)
         opts = JobOptions(
             input_path=input_path, output_path=output_path, prompt_paths=list(prompt), model=model,
             dtype=dtype, device=device, input_format=input_format, resume=resume, allow_cast=allow_cast,
@@ -176,12 +181,35 @@ def run_cmd(
                                      ignore_eos=ignore_eos),
             engine=EngineConfig(max_num_seqs=max_batch, kv_cache_gb=kv_cache_gb, relay=not no_relay,
                                 attention_impl=attention_impl),
-            stats_json=stats_json, flush_rows=flush_rows)
-        summary = run_with_progress(opts, quiet)
+            stats_json=stats_json, flush_rows=flush_rows, devices=devices)
+        if use_ray:
+            summary = _run_on_ray(opts, quiet)
+        else:
+            summary = run_with_progress(opts, quiet)
     if fail_on_error and summary.error_rows:
         err_console.print(f"[red]error:[/red] {summary.error_rows} rows of {escape(str(output_path))} are error rows "
                           "(--fail-on-error)", highlight=False)
         raise typer.Exit(1)
+
+
+def _run_on_ray(opts, quiet: bool):
+    """relay run --ray; the summary's error_rows decide --fail-on-error as for a local job."""
+    from types import SimpleNamespace
+
+    from relaycli.errors import ConfigError
+    try:
+        from relaycli.ray_job import run_ray_job
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError("--ray needs Ray Data: pip install 'relay-batch[ray]'") from None
+    result = run_ray_job(opts)
+    if opts.stats_json is not None:
+        from relaycli.io.parts import write_json
+        write_json(opts.stats_json, result)
+    if not quiet:
+        err_console.print(f"wrote {escape(result['output_path'])}/: {result['rows']} rows, {result['error_rows']} "
+                          f"error rows ({result['actors']} Ray actor(s))", highlight=False)
+    return SimpleNamespace(error_rows=result["error_rows"])
 
 
 def entry() -> None:  # pragma: no cover - console-script shim

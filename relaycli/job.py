@@ -44,8 +44,15 @@ class JobOptions:
     engine: EngineConfig = field(default_factory=EngineConfig)
     stats_json: Path | None = None
     flush_rows: int = 256  # answers per saved part: what a crash can cost at most
+    # --devices: one worker process per entry (relaycli.parallel); None: this process answers
+    devices: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.devices is not None:
+            from relaycli.parallel.devices import check_devices
+            check_devices(self.devices)
+            if self.device is not None:
+                raise ConfigError("--device and --devices both given; keep --devices (a worker per device)")
         seen: dict[str, Path] = {}
         for p in self.prompt_paths:
             if p.name in seen:
@@ -76,10 +83,14 @@ class JobSummary:
     triton_compiled_names: dict = field(default_factory=dict)  # kernel name -> variants compiled
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0
+    # --devices: per worker {device, pid, rows, errors, completion_tokens, state, cause, stats}
+    workers: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["stats"] = self.stats.as_dict()
+        if not self.workers:
+            del d["workers"]
         return d
 
 
@@ -92,7 +103,7 @@ def _is_openai_input(source) -> bool:
     return False
 
 
-def _check_paths(opts: JobOptions) -> None:
+def check_paths(opts: JobOptions) -> None:
     """Files a job would destroy: refused before it opens anything. What the job reads
     (input, artifacts, a model file) must not be what it writes (--out, --stats-json)."""
     reads = [(opts.input_path, "the input file"), *((p, f"the --prompt artifact {p}") for p in opts.prompt_paths)]
@@ -109,20 +120,42 @@ def _check_paths(opts: JobOptions) -> None:
                 raise OutputError(f"{flag} {target} is {what}; write to another file name")
 
 
-def _job_record(opts: JobOptions, source: RequestSource, loaded: LoadedModel, artifacts, run_dtype: str) -> dict:
+def prompt_records(artifacts) -> list[list[str]]:
+    """The loaded artifacts as the job record holds them: [name, checksum, dtype] each."""
+    return [[a.name, a.meta["checksum"], dtype_name(a.dtype)] for a in artifacts]
+
+
+def artifact_infos(artifacts, run_dtype: str) -> list[dict]:
+    """The loaded artifacts as the summary shows them."""
+    return [{"name": a.name, "tokens": a.num_tokens, "cast_from": a.meta["dtype"] if a.meta["dtype"] != run_dtype
+             else None} for a in artifacts]
+
+
+def job_record(opts: JobOptions, source: RequestSource, fingerprint: str, prompts: list, run_dtype: str) -> dict:
     """What the answers depend on, so a resumed run can prove it is the same job."""
-    return {"input_sha256": source.content_sha256(), "model_fingerprint": loaded.fingerprint, "dtype": run_dtype,
+    return {"input_sha256": source.content_sha256(), "model_fingerprint": fingerprint, "dtype": run_dtype,
             # sorted: rows pick artifacts by name, so the order of --prompt changes no answer
-            "prompts": sorted([a.name, a.meta["checksum"], dtype_name(a.dtype)] for a in artifacts),
-            "defaults": dataclasses.asdict(opts.defaults)}
+            "prompts": sorted(list(p) for p in prompts), "defaults": dataclasses.asdict(opts.defaults)}
+
+
+def _job_record(opts: JobOptions, source: RequestSource, loaded: LoadedModel, artifacts, run_dtype: str) -> dict:
+    return job_record(opts, source, loaded.fingerprint, prompt_records(artifacts), run_dtype)
 
 
 def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None,
             on_result: Callable[[EngineStats], None] | None = None,
-            loaded: LoadedModel | None = None) -> JobSummary:
+            loaded: LoadedModel | None = None,
+            on_workers: Callable[[list[dict]], None] | None = None) -> JobSummary:
     """Check the inputs, bind (or resume) the output, answer the rows, finish the output.
-    on_start(total_rows, already_done); on_result(stats) after each answered row."""
-    source, writer = _check_inputs(opts)
+    on_start(total_rows, already_done); on_result(stats) after each answered row. With
+    opts.devices the rows are answered by worker processes (relaycli.parallel), and
+    on_workers(rows) gets each worker's state after each answered row."""
+    if opts.devices is not None:
+        if loaded is not None:
+            raise ConfigError("a loaded model cannot be shared with --devices workers; each loads its own")
+        from relaycli.parallel.job import run_parallel_job
+        return run_parallel_job(opts, on_start, on_result, on_workers)
+    source, writer = check_inputs(opts)
     try:
         engine, summary, done = _bind_output(opts, source, writer, loaded)
         if not summary.already_complete:
@@ -133,15 +166,19 @@ def run_job(opts: JobOptions, on_start: Callable[[int, int], None] | None = None
         summary.error_rows = writer.error_rows
     finally:
         writer.close()
-    if opts.stats_json is not None:
-        with writing(Path(opts.stats_json)):
-            write_json(opts.stats_json, summary.as_dict())
+    write_stats(opts, summary)
     return summary
 
 
-def _check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
+def write_stats(opts: JobOptions, summary: JobSummary) -> None:
+    if opts.stats_json is not None:
+        with writing(Path(opts.stats_json)):
+            write_json(opts.stats_json, summary.as_dict())
+
+
+def check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
     """Everything that can refuse the job from its paths alone, before any model loads."""
-    _check_paths(opts)
+    check_paths(opts)
     if opts.stats_json is not None:
         check_writable(Path(opts.stats_json), "--stats-json")
     source = open_requests(opts.input_path, opts.input_format)
@@ -164,10 +201,7 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
     summary = JobSummary(
         input_rows=source.num_rows, skipped_rows=len(done), stats=engine.stats, model=loaded.reference,
         attention=("relay" if opts.engine.relay else "no-relay") + f" ({engine.runner.attention_impl})",
-        device=str(loaded.model.device), dtype=run_dtype,
-        artifacts=[{"name": a.name, "tokens": a.num_tokens, "cast_from": a.meta["dtype"]
-                    if a.meta["dtype"] != run_dtype else None}
-                   for a in artifacts],
+        device=str(loaded.model.device), dtype=run_dtype, artifacts=artifact_infos(artifacts, run_dtype),
         load_seconds=loaded.load_seconds, output_path=str(opts.output_path))
     # The input's ids are read only to check a finished output row by row.
     ids = (row.id for row in read_requests(source, opts.defaults)) if writer.already_complete else iter(())

@@ -124,10 +124,12 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
 def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
     columns = (TextColumn("[bold]rows"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    if opts.devices is not None:  # each worker's answered rows
+        columns += (TextColumn("{task.fields[workers]}"),)
     # The bar appears only once every check has passed (on_start): a job refused at the
     # start prints its one error line and no empty bar. Until then a transient spinner.
     bar = Progress(*columns, console=console, disable=quiet, transient=False)
-    task = bar.add_task("rows", total=None, tps="")
+    task = bar.add_task("rows", total=None, tps="", workers="")
     status = None if quiet else console.status("checking the inputs and loading the model")
 
     def on_start(total: int, done: int) -> None:
@@ -139,10 +141,13 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
     def on_result(stats) -> None:
         bar.update(task, advance=1, tps=f"{stats.generated_tokens_per_second():.1f} tok/s")
 
+    def on_workers(reports) -> None:
+        bar.update(task, workers=" · ".join(_worker_cell(r) for r in reports))
+
     if status is not None:
         status.start()
     try:
-        summary = run_job(opts, on_start, on_result)
+        summary = run_job(opts, on_start, on_result, on_workers=on_workers if opts.devices is not None else None)
     finally:
         if status is not None:
             status.stop()
@@ -151,6 +156,24 @@ def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:
     if not quiet:
         print_summary(summary)
     return summary
+
+
+def _worker_cell(report: dict) -> str:
+    cell = f"{report['device']} {report['rows']}"
+    return cell if report["state"] != "stopped" else f"{cell} (stopped)"
+
+
+def _workers_rows(s: JobSummary) -> list[tuple[str, str]]:
+    rows = []
+    for i, w in enumerate(s.workers):
+        st = w["stats"] or {}
+        what = f"{w['rows']} rows, {w['completion_tokens']} generated tokens"
+        if st.get("elapsed_seconds"):
+            what += f", {w['completion_tokens'] / st['elapsed_seconds']:.1f} tok/s"
+        if w["state"] == "stopped":
+            what += f"; stopped: {escape(str(w['cause']))} (its unanswered rows went to the others)"
+        rows.append((f"worker {i} ({w['device']})", what))
+    return rows
 
 
 def print_summary(s: JobSummary) -> None:
@@ -180,7 +203,7 @@ def print_summary(s: JobSummary) -> None:
         rows.insert(-1, ("start-up in the job", f"{s.triton_kernels_compiled} Triton kernels compiled in "
                          f"{s.triton_compile_seconds:.1f} s ({s.triton_kernels_loaded} from Triton's cache), "
                          f"{s.graph_captures} CUDA graphs captured in {s.graph_capture_seconds:.1f} s"))
-    for k, v in rows:
+    for k, v in rows + _workers_rows(s):
         table.add_row(k, v)
     console.print(table)
     eager = d["eager_decode_steps"]

@@ -207,13 +207,7 @@ class Engine:
                 on_step(self.stats)
 
     def _count(self, result: ResultRow) -> ResultRow:
-        self.stats.rows += 1
-        if result.finish_reason == "error":
-            self.stats.errors += 1
-        else:
-            self.stats.prompt_tokens += result.prompt_tokens
-            self.stats.cached_tokens += result.cached_tokens
-            self.stats.completion_tokens += result.completion_tokens
+        self.stats.count_result(result)
         return result
 
     def _step(self) -> list[ResultRow]:

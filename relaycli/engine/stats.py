@@ -103,6 +103,16 @@ class EngineStats:
         if self.keep_logs:
             self.ttft_seconds, self.decode_step_log, self.prefill_step_log = [], [], []
 
+    def count_result(self, result) -> None:
+        """A finished row (a ResultRow): its tokens, or an error."""
+        self.rows += 1
+        if result.finish_reason == "error":
+            self.errors += 1
+        else:
+            self.prompt_tokens += result.prompt_tokens
+            self.cached_tokens += result.cached_tokens
+            self.completion_tokens += result.completion_tokens
+
     def add_ttft(self, seconds: float) -> None:
         self.ttft.add(seconds)
         if self.ttft_seconds is not None:

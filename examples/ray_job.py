@@ -1,0 +1,31 @@
+"""Answer examples/requests.jsonl on Ray Data with relay's engine in each actor.
+
+    relay compile-prompt examples/system_prompt.txt --out sys.relaykv
+    python examples/ray_job.py sys.relaykv answers/      # RAY_ADDRESS for a cluster; else a local one
+
+One actor per GPU of the cluster (one on the CPU without GPUs). The answers are a Parquet
+dataset with relay's output columns and row_index; rows keep their JSON in one `request`
+column, so nested fields (messages, json_schema) reach relay exactly.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import ray
+
+from relaycli.ray import RelayPredictor
+
+artifact, out = sys.argv[1], sys.argv[2]
+ray.init()
+gpus = int(ray.cluster_resources().get("GPU", 0))
+lines = Path(__file__).with_name("requests.jsonl").read_text().splitlines()
+items = [{"row_index": i, "request": line} for i, line in enumerate(lines)]
+ray.data.DataContext.get_current().execution_options.preserve_order = True
+answers = ray.data.from_items(items, override_num_blocks=max(gpus, 1)).map_batches(
+    RelayPredictor, fn_constructor_kwargs={"prompts": [str(Path(artifact).resolve())], "max_batch": 64,
+                                           "max_tokens": 64},
+    concurrency=max(gpus, 1), num_gpus=1 if gpus else 0, batch_size=256, batch_format="pyarrow")
+answers.write_parquet(out)
+first = ray.data.read_parquet(out).take(1)[0]
+print(json.dumps({k: first[k] for k in ("id", "finish_reason", "text")}, ensure_ascii=False))

@@ -1,0 +1,83 @@
+"""Ray Data on a local 2-CPU cluster: `RelayPredictor` in `map_batches` and `relay run --ray`
+give the answers of a local job, error rows included (skipped where ray is not installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as pds
+import pyarrow.parquet as pq
+import pytest
+
+from relaycli.config import EngineConfig
+from relaycli.errors import ConfigError
+from relaycli.io.requests import RequestDefaults
+from relaycli.job import JobOptions, run_job
+from tests.helpers_faults import run
+
+ray = pytest.importorskip("ray")
+N = 24
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ray")
+    (d / "sys.txt").write_text("You are a test assistant. Answer briefly.")
+    rc, lines = run(["compile-prompt", d / "sys.txt", "--model", "dummy:tiny", "--device", "cpu", "--quiet"])
+    assert rc == 0, lines
+    rows = [{"id": f"r{i}", "prompt": f"tell me about {i}", "max_tokens": 10 + i % 4,
+             "temperature": 0 if i % 2 else 0.9} for i in range(N)]
+    with open(d / "in.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.write("{not json\n")
+    opts = _opts(d, d / "ref.parquet", device="cpu")
+    run_job(opts)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield d, rows, pq.read_table(d / "ref.parquet").to_pylist()
+    ray.shutdown()
+
+
+def _opts(d, out, **kw) -> JobOptions:
+    return JobOptions(input_path=d / "in.jsonl", output_path=out, prompt_paths=[d / "sys.relaykv"], model="dummy:tiny",
+                      engine=EngineConfig(max_num_seqs=4), defaults=RequestDefaults(max_tokens=16, seed_base=3), **kw)
+
+
+def _kwargs(d) -> dict:
+    return {"model": "dummy:tiny", "prompts": [str(d / "sys.relaykv")], "max_batch": 4, "device": "cpu",
+            "max_tokens": 16, "seed": 3}
+
+
+def test_relay_predictor_in_map_batches_answers_as_a_local_job(job):
+    from relaycli.ray import RelayPredictor
+    d, rows, reference = job
+    ds = ray.data.from_items([{**r, "row_index": i} for i, r in enumerate(rows)], override_num_blocks=1)
+    out = ds.map_batches(RelayPredictor, fn_constructor_kwargs=_kwargs(d), concurrency=1, batch_size=4,
+                         batch_format="pyarrow").take_all()
+    assert [r["row_index"] for r in out] == list(range(N))
+    assert [{k: v for k, v in r.items() if k != "row_index"} for r in out] == reference[:N]
+
+
+def test_relay_run_ray_writes_the_answers_of_a_local_job(job, tmp_path):
+    from relaycli.ray_job import run_ray_job
+    d, _, reference = job
+    result = run_ray_job(_opts(d, tmp_path / "answers"))
+    assert result["rows"] == N + 1 and result["error_rows"] == 1
+    table = pds.dataset(tmp_path / "answers", format="parquet").to_table()
+    assert table.column("row_index").to_pylist() == list(range(N + 1))  # the dataset keeps input order
+    assert table.drop_columns(["row_index"]).to_pylist() == reference  # the unreadable line too
+    with pytest.raises(ConfigError, match="--resume"):
+        run_ray_job(_opts(d, tmp_path / "again", resume=True))
+
+
+def test_a_predictor_outside_ray_names_bad_rows_and_options(job):
+    from relaycli.ray import RelayPredictor
+    d, rows, reference = job
+    with pytest.raises(ConfigError, match="unknown option 'max_batches'"):
+        RelayPredictor("dummy:tiny", max_batches=3)
+    predictor = RelayPredictor(**_kwargs(d))
+    batch = pa.Table.from_pylist([{**rows[1], "row_index": 1}, {"id": "x", "prompt": "", "row_index": 7}])
+    got = asyncio.run(predictor(batch)).to_pylist()
+    assert {k: v for k, v in got[0].items() if k != "row_index"} == reference[1]
+    assert got[1]["finish_reason"] == "error" and got[1]["error"].startswith("row 7: 'prompt' is empty")
