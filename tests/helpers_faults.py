@@ -28,10 +28,16 @@ if fsize:
 parts, go = os.environ.get("RELAY_TEST_PAUSE_PARTS"), os.environ.get("RELAY_TEST_GO")
 if parts:  # once a part is saved, the engine's thread waits until the file `go` exists
     from relaycli.io import write_behind
-    real_put, paused = write_behind.WriteBehind.put, []
+    real_put, paused, queued = write_behind.WriteBehind.put, [], []
+    def saved():
+        return os.path.isdir(parts) and any(n.startswith("part-") for n in os.listdir(parts))
     def put(self, result):
         real_put(self, result)
-        if not paused and os.path.isdir(parts) and any(n.startswith("part-") for n in os.listdir(parts)):
+        queued.append(1)
+        if not paused and len(queued) >= 2:  # a part's rows (the tests' --flush-rows 2) are queued:
+            while not saved():  # hold the engine until the writer has saved them, so the job
+                time.sleep(0.01)  # cannot end first however slow the writer's thread is
+        if not paused and saved():
             paused.append(True)
             print("PAUSED", file=sys.stderr, flush=True)
             while not os.path.exists(go):
