@@ -5,23 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _is_text(v: Any) -> bool:
-    if not isinstance(v, str):
-        return False
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _show(v: Any) -> str:
-    try:
-        text = repr(v)
-    except RecursionError:  # a value nested as deep as the JSON reader allows
-        return f"a deeply nested {type(v).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
+from relaycli.io.values import is_text as _is_text, show as _show
 
 
 def parse_modules(v: Any) -> list[dict]:

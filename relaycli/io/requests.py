@@ -13,6 +13,7 @@ from typing import Any
 
 from relaycli.errors import ConfigError
 from relaycli.io.module_field import parse_modules as _modules
+from relaycli.io.values import is_int as _is_int, is_text as _is_text, show as _show
 from relaycli.io.structured import (MAX_N, MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError, parse_constraint,
                                     parse_logprobs, parse_n)
 
@@ -23,36 +24,11 @@ SEED_LIMIT = 1 << 63  # seeds must fit a signed int64: torch and numpy generator
 _MASK64 = (1 << 64) - 1
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python, not to us
-
-
 def _is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def _is_text(v: Any) -> bool:
-    """A str that UTF-8 can hold. JSON's "\\ud800" escape decodes to a lone surrogate, a
-    str that no tokenizer or file writer takes, so it must stop at its own row."""
-    if not isinstance(v, str):
-        return False
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 _SURROGATE_FIX = "holds a lone surrogate escape (such as \\ud800), which is not text; fix that escape in the input"
-
-
-def _show(v: Any) -> str:
-    """A short repr for error lines: a 10 kB prompt must not flood the error column."""
-    try:
-        text = repr(v)
-    except RecursionError:  # a value nested as deep as the JSON reader allows
-        return f"a deeply nested {type(v).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def derive_seed(seed_base: int, row_index: int) -> int:

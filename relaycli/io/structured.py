@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from relaycli.io.values import is_int as _is_int, show as _show
+
 MAX_N = 16  # completions one row may ask for
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 CONSTRAINT_FIELDS = ("response_format", "json_schema", "regex", "choices", "grammar")
@@ -44,15 +46,6 @@ class ConstraintSpec:
     def key(self) -> str:
         """One text per distinct constraint: the compile cache's key."""
         return json.dumps([self.kind, self.source, self.strict], sort_keys=True, ensure_ascii=False)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_logprobs(src: dict) -> int | None:
