@@ -17,17 +17,7 @@ from relaycli.io.requests import parse_request  # noqa: E402
 from relaycli.models.registry import load_model  # noqa: E402
 from relaycli.module_compile import compile_library  # noqa: E402
 from relaycli.modules import parse_schema  # noqa: E402
-
-SCHEMA = """<schema name="shop">
-  <system>You answer questions about the Lumen shop in one sentence.</system>
-  <module name="policy">Refunds need the receipt and are paid within 14 days.</module>
-  <module name="contract" after="policy">Contract 17: Harbor Bakery rents two printers.</module>
-  <module name="clause" after="contract">Clause A: a broken printer is replaced in two days.</module>
-  <union>
-    <module name="basic" after="policy">Basic plan for <parameter name="months" len="3"/> months, email only.</module>
-    <module name="pro" after="policy">Pro plan, phone support every day.</module>
-  </union>
-</schema>"""
+from tests.test_modules_library import EXACT as SCHEMA  # noqa: E402 - the library the CPU tests hold to transformers
 
 RAWS = [{"prompt": "How long do refunds take?", "modules": ["contract", "policy"]},
         {"prompt": "Who are you?", "schema": "shop"},

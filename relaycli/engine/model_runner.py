@@ -115,8 +115,8 @@ class ModelRunner:
 
         Where the prefixes live in one store (Triton), the store is rebuilt, and captured
         decode graphs, which name the old store, are dropped to be captured again."""
-        pairs = [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-                 for k, v in zip(prefix.keys, prefix.values)]
+        moved = self._on_device([prefix])[0]
+        pairs = list(zip(moved.keys, moved.values))
         layers = self.attention.prefix_layers
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old store
