@@ -46,8 +46,12 @@ class JobOptions:
     flush_rows: int = 256  # answers per saved part: what a crash can cost at most
     # --devices: one worker process per entry (relaycli.parallel); None: this process answers
     devices: list[str] | None = None
+    # --devices: a worker holding rows with no answer and no engine step for this long is hung
+    worker_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        if not self.worker_timeout > 0:
+            raise ConfigError(f"--worker-timeout must be a positive number of seconds, got {self.worker_timeout}")
         if self.devices is not None:
             from relaycli.parallel.devices import check_devices
             check_devices(self.devices)

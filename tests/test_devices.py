@@ -61,6 +61,8 @@ def test_device_lists_are_checked_before_any_work():
         JobOptions(input_path=Path("a.jsonl"), output_path=Path("b.jsonl"), device="cpu", devices=["cpu"])
     with pytest.raises(ConfigError, match="empty"):
         check_devices([])
+    with pytest.raises(ConfigError, match="--worker-timeout must be a positive"):
+        JobOptions(input_path=Path("a.jsonl"), output_path=Path("b.jsonl"), devices=["cpu"], worker_timeout=0)
 
 
 def test_two_workers_answer_as_one_process(job, tmp_path):
@@ -89,6 +91,32 @@ def test_a_worker_killed_mid_job_leaves_every_row_answered_once(job, tmp_path):
     assert summary.workers[1]["cause"] == "killed by SIGKILL" and summary.workers[0]["state"] == "done"
     assert pq.read_table(tmp_path / "out.parquet").to_pylist() == reference
     assert summary.workers[0]["rows"] + summary.workers[1]["rows"] == N
+
+
+def test_a_hung_worker_is_stopped_and_its_counters_kept(job, tmp_path):
+    """SIGSTOP one worker once it has answered 3 rows (a process that never answers again):
+    after --worker-timeout it is killed, its rows go to the other, and the job's counters keep
+    the engine steps it made before it hung."""
+    d, reference = job
+    stopped, seen = [], {}
+
+    def freeze_one(reports):
+        if not stopped and reports[1]["rows"] >= 3 and reports[1]["stats"] is not None:
+            stopped.append(reports[1]["pid"])
+            seen.update(reports[1]["stats"])
+            os.kill(reports[1]["pid"], signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    summary = run_job(_opts(d, tmp_path / "out.parquet", devices=["cpu", "cpu"], worker_timeout=2.0),
+                      on_workers=freeze_one)
+    assert stopped and time.monotonic() - t0 < 120
+    hung, other = summary.workers[1], summary.workers[0]
+    assert hung["state"] == "stopped" and "made no progress for 2 s (hung" in hung["cause"], hung
+    assert other["state"] == "done" and hung["rows"] + other["rows"] == N
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == reference
+    assert not Path(f"/proc/{stopped[0]}").exists() or "Z" in Path(f"/proc/{stopped[0]}/stat").read_text().split()[2]
+    assert hung["stats"]["decode_steps"] >= seen["decode_steps"] > 0
+    assert summary.stats.decode_steps == other["stats"]["decode_steps"] + hung["stats"]["decode_steps"]
 
 
 def test_every_worker_killed_stops_the_job_and_resume_finishes_it(job, tmp_path):

@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 
 SUMMARY_VALUES = 4096  # values a Summary keeps: exact percentiles up to this many, a sample after
 
+# The engine's own counters (not the rows' tokens, which whoever receives the results
+# counts): what `--devices` workers report and their parent sums.
+COUNTERS = ("prefix_hits", "prefix_misses", "prompt_fallbacks", "prefill_steps", "decode_steps", "prefill_seconds",
+            "decode_seconds", "preemptions", "graphed_decode_steps", "eager_decode_steps", "device_wait_seconds",
+            "prefill_tokens", "forks")
+
 
 def quantile(ordered: list[float], q: float) -> float | None:
     """The q-quantile of sorted values (the element at index q * n), None when empty.
@@ -131,6 +137,17 @@ class EngineStats:
         self.decode_step.add(seconds)
         if self.decode_step_log is not None:
             self.decode_step_log.append((seqs, context, seconds))
+
+    def counters(self) -> dict:
+        """The engine's counters as plain values; safe to read from another thread."""
+        return {**{name: getattr(self, name) for name in COUNTERS}, "eager_reasons": dict(self.eager_reasons)}
+
+    def add_counters(self, counters: dict) -> None:
+        """Adds another engine's counters() (or as_dict()) to these."""
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + counters[name])
+        for reason, count in counters["eager_reasons"].items():
+            self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + count
 
     def decode_step_p50(self) -> float | None:
         return self.decode_step.quantile(0.5)

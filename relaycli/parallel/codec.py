@@ -6,8 +6,9 @@ multiprocessing Connection's send_bytes/recv_bytes, so no process ever unpickles
 receives. Every message has a "type":
 
 - parent -> worker: `rows` {rows: [request]}, `end` (no more rows: finish and report)
-- worker -> parent: `ready` {device, fingerprint, ...}, `result` {row}, `done` {stats},
-  `failed` {message, refusal} (a refusal is the user's to fix, one sentence)
+- worker -> parent: `ready` {device, fingerprint, ...}, `result` {row}, `beat` {stats: the
+  engine's counters, every second}, `done` {stats}, `failed` {message, refusal} (a refusal
+  is the user's to fix, one sentence)
 """
 
 from __future__ import annotations

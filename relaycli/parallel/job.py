@@ -21,11 +21,6 @@ from relaycli.job import JobOptions, JobSummary, check_inputs, job_record, write
 from relaycli.parallel.devices import cpu_threads
 from relaycli.parallel.pool import Worker, WorkerError, WorkerPool
 
-# Counters a worker's engine keeps that the parent cannot see: summed over the workers.
-_SUMMED = ("prefix_hits", "prefix_misses", "prompt_fallbacks", "prefill_steps", "decode_steps", "prefill_seconds",
-           "decode_seconds", "preemptions", "graphed_decode_steps", "eager_decode_steps", "device_wait_seconds",
-           "prefill_tokens", "forks")
-
 
 def worker_spec(opts: JobOptions) -> dict:
     """What every worker loads, as JSON values (the device is added per worker)."""
@@ -47,7 +42,7 @@ def run_parallel_job(opts: JobOptions, on_start: Callable[[int, int], None] | No
     try:
         done = writer.done_row_indices()
         t0 = time.perf_counter()
-        pool = WorkerPool(opts.devices, worker_spec(opts), in_flight_window(opts))
+        pool = WorkerPool(opts.devices, worker_spec(opts), in_flight_window(opts), opts.worker_timeout)
         infos = pool.wait_ready()
         first = infos[0]
         for info in infos[1:]:
@@ -70,7 +65,9 @@ def run_parallel_job(opts: JobOptions, on_start: Callable[[int, int], None] | No
                 on_start(source.num_rows, len(done))
             _answer(opts, source, writer, pool, stats, done, on_result, on_workers)
             pool.finish()
-            _add_worker_stats(stats, pool.reports())
+            for report in pool.reports():
+                if report["stats"] is not None:  # a worker that stopped: its counters up to its last beat
+                    stats.add_counters(report["stats"])
         summary.workers = pool.reports()
         writer.finalize(source.num_rows)
         summary.error_rows = writer.error_rows
@@ -101,13 +98,3 @@ def _answer(opts, source, writer, pool: WorkerPool, stats: EngineStats, done, on
     finally:
         behind.close()  # the answers received are written; a failed write is raised here
 
-
-def _add_worker_stats(stats: EngineStats, reports: list[dict]) -> None:
-    for report in reports:
-        worker = report["stats"]
-        if worker is None:
-            continue  # it stopped before the end: its counters are lost, its answers are not
-        for name in _SUMMED:
-            setattr(stats, name, getattr(stats, name) + worker[name])
-        for reason, count in worker["eager_reasons"].items():
-            stats.eager_reasons[reason] = stats.eager_reasons.get(reason, 0) + count

@@ -5,7 +5,9 @@ rows (rows next to each other often share a prompt or a module path), so its eng
 always has a full batch waiting. A worker that stops (killed, out of memory, an error)
 has its unanswered rows given to the others; a row that was in flight on two workers
 that stopped becomes an error row naming the cause, so one row that kills its worker
-cannot take the job down. When no worker is left the job stops with every finished
+cannot take the job down. A worker that holds rows but neither answers one nor finishes
+an engine step for `stall_seconds` is hung (a stuck device, a stopped process): it is
+killed and counts as stopped. When no worker is left the job stops with every finished
 answer saved (`--resume` goes on).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import signal
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -46,7 +49,8 @@ class Worker:
     rows: int = 0
     errors: int = 0
     completion_tokens: int = 0
-    stats: dict | None = None
+    stats: dict | None = None  # its engine's counters from its latest beat; its final statistics once done
+    progress_at: float = 0.0  # monotonic time of its last answer or engine step while it held rows
 
     def report(self) -> dict:
         return {"device": self.device, "pid": self.process.pid, "rows": self.rows, "errors": self.errors,
@@ -64,9 +68,10 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, devices: list[str], spec: dict, window: int) -> None:
+    def __init__(self, devices: list[str], spec: dict, window: int, stall_seconds: float) -> None:
         """spec: what every worker loads (worker.main's spec, less the device)."""
         self.window, self.chunk = window, max(1, min(window // 8, 16))
+        self.stall_seconds = stall_seconds
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or CUDA state
         self.workers: list[Worker] = []
         for index, device in enumerate(devices):
@@ -114,6 +119,8 @@ class WorkerPool:
                 if room < self.chunk and w.in_flight:
                     break
                 batch = batches.setdefault(w.index, [])
+                if not w.in_flight:
+                    w.progress_at = time.monotonic()  # its wait for progress starts with its first row
                 for _ in range(room):
                     if retry:
                         message = retry.popleft()
@@ -138,6 +145,11 @@ class WorkerPool:
                 return
             for w in self._ready(alive):
                 self._receive(w, retry, tries, emit)
+            for w in alive:
+                if w.state == "ready" and w.in_flight and time.monotonic() - w.progress_at > self.stall_seconds:
+                    self._stop(w, f"it held {len(w.in_flight)} rows and made no progress for {self.stall_seconds:g} s "
+                               "(hung: raise --worker-timeout if one engine step can take that long)")
+                    self._lost(w, retry, tries, emit)
 
     def _ready(self, alive: list[Worker]) -> list[Worker]:
         by_conn = {w.results_conn: w for w in alive}
@@ -159,13 +171,24 @@ class WorkerPool:
                 w.rows += 1
                 w.errors += result.finish_reason == "error"
                 w.completion_tokens += result.completion_tokens
+                w.progress_at = time.monotonic()
                 emit(result, w)
+            elif kind == "beat":
+                steps = message["stats"]["prefill_steps"] + message["stats"]["decode_steps"]
+                if w.stats is None or steps != w.stats["prefill_steps"] + w.stats["decode_steps"]:
+                    w.progress_at = time.monotonic()
+                w.stats = message["stats"]
             elif kind == "failed":
                 w.failure = message.get("message")
             elif kind == "done":
                 w.state, w.stats = "done", message.get("stats")
             if not w.results_conn.poll():
                 return
+
+    def _stop(self, w: Worker, why: str) -> None:
+        """Kill a hung worker; why becomes its cause."""
+        w.failure = why
+        w.process.kill()
 
     def _lost(self, w: Worker, retry: deque, tries: dict, emit) -> None:
         """w stopped: its rows in flight go to the others, or become error rows on a second stop."""
@@ -191,9 +214,15 @@ class WorkerPool:
                 send(w.rows_conn, {"type": "end"})
             except OSError:
                 pass
+        deadline = time.monotonic() + self.stall_seconds
         while alive := [w for w in alive if w.state == "ready"]:
             for w in self._ready(alive):
                 self._receive(w, deque(), {}, lambda *_: None)
+            if time.monotonic() > deadline:  # every row is answered: only its statistics are missing
+                for w in alive:
+                    if w.state == "ready":
+                        self._stop(w, f"it did not finish within {self.stall_seconds:g} s of the job's end (hung)")
+                        w.state, w.cause = "stopped", w.stopped_because()
         for w in self.workers:
             if w.state == "done":
                 w.process.join(timeout=30)

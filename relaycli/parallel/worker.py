@@ -1,7 +1,10 @@
 """One `--devices` worker: a process that loads the model and the artifacts on its device,
 answers the rows its parent sends, and sends back their results (codec.py messages).
 
-The engine's input is a stream the parent keeps topped up, so its batches stay full. The
+The engine's input is a stream the parent keeps topped up, so its batches stay full. Every
+BEAT_SECONDS a thread sends the engine's counters: the parent sees that the engine still
+makes progress (a worker that stops stepping with rows in hand is hung, and is replaced),
+and a worker that dies mid-job still leaves its counters in the job's statistics. The
 worker ignores Ctrl-C (the terminal sends it to every process of the job: the parent
 decides how the job stops) and exits at once when its parent is gone (a kill -9), so a
 `--resume` does not find it still holding the device.
@@ -21,6 +24,26 @@ from typing import Iterator
 from relaycli.parallel.codec import recv, request_row, result_message, send
 
 PARENT_GONE = 3  # the exit status of a worker whose parent died
+BEAT_SECONDS = 1.0  # how often a ready worker reports its counters
+
+
+class _Outbox:
+    """The results pipe, shared by the engine's thread and the beat thread: one message at a time."""
+
+    def __init__(self, conn) -> None:
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, message: dict) -> None:
+        with self._lock:
+            send(self._conn, message)
+
+
+def _beat(outbox: _Outbox, stats, stop: threading.Event) -> None:
+    while not stop.wait(BEAT_SECONDS):
+        try:
+            outbox.send({"type": "beat", "stats": stats.counters()})
+        except OSError:
+            return  # the parent is gone: the inbox thread ends the process
 
 
 class _Inbox:
@@ -100,19 +123,21 @@ def main(spec_text: str, rows_conn, results_conn) -> None:
         traceback.print_exc()
         send(results_conn, {"type": "failed", "refusal": False, "message": _failure(exc)})
         raise SystemExit(1)
-    inbox = _Inbox(rows_conn)
+    inbox, outbox, stop = _Inbox(rows_conn), _Outbox(results_conn), threading.Event()
     try:
-        send(results_conn, _ready(engine, artifacts))
+        outbox.send(_ready(engine, artifacts))
         engine.stats.started = time.perf_counter()
+        threading.Thread(target=_beat, args=(outbox, engine.stats, stop), name="relay-beat", daemon=True).start()
         for result in engine.generate(inbox.rows()):
-            send(results_conn, {"type": "result", "row": result_message(result)})
+            outbox.send({"type": "result", "row": result_message(result)})
         inbox.finished = True
-        send(results_conn, {"type": "done", "stats": engine.stats.as_dict()})
+        stop.set()
+        outbox.send({"type": "done", "stats": engine.stats.as_dict()})
     except (BrokenPipeError, ConnectionResetError):
         os._exit(PARENT_GONE)
     except Exception as exc:  # noqa: BLE001 - the parent gives this worker's rows to the others
         traceback.print_exc()
         try:
-            send(results_conn, {"type": "failed", "refusal": False, "message": _failure(exc)})
+            outbox.send({"type": "failed", "refusal": False, "message": _failure(exc)})
         finally:
             os._exit(1)
