@@ -13,6 +13,7 @@ import pytest
 
 from relaycli.config import EngineConfig
 from relaycli.errors import ConfigError
+from relaycli.io.writer import OutputError
 from relaycli.io.requests import RequestDefaults
 from relaycli.job import JobOptions, run_job
 from tests.helpers_faults import run
@@ -67,8 +68,11 @@ def test_relay_run_ray_writes_the_answers_of_a_local_job(job, tmp_path):
     table = pds.dataset(tmp_path / "answers", format="parquet").to_table()
     assert table.column("row_index").to_pylist() == list(range(N + 1))  # the dataset keeps input order
     assert table.drop_columns(["row_index"]).to_pylist() == reference  # the unreadable line too
-    with pytest.raises(ConfigError, match="--resume"):
-        run_ray_job(_opts(d, tmp_path / "again", resume=True))
+    assert not (tmp_path / ".answers.ray-checkpoint").exists()  # removed once the job is complete
+    with pytest.raises(OutputError, match="already exists; add --resume"):
+        run_ray_job(_opts(d, tmp_path / "answers"))
+    with pytest.raises(OutputError, match="holds a finished --ray job"):
+        run_ray_job(_opts(d, tmp_path / "answers", resume=True))
 
 
 def test_a_predictor_outside_ray_names_bad_rows_and_options(job):
@@ -81,3 +85,63 @@ def test_a_predictor_outside_ray_names_bad_rows_and_options(job):
     got = asyncio.run(predictor(batch)).to_pylist()
     assert {k: v for k, v in got[0].items() if k != "row_index"} == reference[1]
     assert got[1]["finish_reason"] == "error" and got[1]["error"].startswith("row 7: 'prompt' is empty")
+
+
+HELD_DRIVER = r'''
+import asyncio, json, sys
+from pathlib import Path
+import relaycli.ray
+from relaycli.config import EngineConfig
+from relaycli.io.requests import RequestDefaults
+from relaycli.job import JobOptions
+from relaycli.ray_job import run_ray_job
+
+class Held(relaycli.ray.RelayPredictor):
+    """Holds the batch of the last row, so the driver's kill lands while rows remain."""
+    async def __call__(self, batch):
+        if max(batch.column("row_index").to_pylist()) == 24:
+            await asyncio.Event().wait()
+        return await super().__call__(batch)
+
+relaycli.ray.RelayPredictor = Held
+d, out = Path(sys.argv[1]), Path(sys.argv[2])
+run_ray_job(JobOptions(input_path=d / "in.jsonl", output_path=out, prompt_paths=[d / "sys.relaykv"],
+                       model="dummy:tiny", engine=EngineConfig(max_num_seqs=4),
+                       defaults=RequestDefaults(max_tokens=16, seed_base=3)))
+'''
+
+
+def test_relay_run_ray_resumes_after_the_driver_is_killed(job, tmp_path):
+    """The driver (a `relay run --ray` process on the cluster) is killed with SIGKILL once
+    some answers are written; --resume answers the rest, and OUT holds every row once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from relaycli.ray_job import checkpoint_dir, run_ray_job
+    d, _, reference = job
+    out = tmp_path / "answers"
+    ids = checkpoint_dir(out) / "ids"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    with open(tmp_path / "driver.log", "wb") as log:
+        driver = subprocess.Popen([sys.executable, "-c", HELD_DRIVER, str(d), str(out)], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not (ids.is_dir() and any(p.name.endswith(".parquet") and ".pending" not in p.name
+                                        for p in ids.iterdir())):
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()
+            time.sleep(0.02)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    first = pds.dataset(out, format="parquet").to_table().column("row_index").to_pylist()
+    assert 0 < len(set(first)) and N not in first  # some rows written, not the held ones
+    with pytest.raises(OutputError, match="add --resume"):
+        run_ray_job(_opts(d, out))
+    result = run_ray_job(_opts(d, out, resume=True))
+    assert result["rows"] == N + 1 and result["error_rows"] == 1 and result["skipped_rows"] == len(first)
+    table = pds.dataset(out, format="parquet").to_table().sort_by("row_index")
+    assert table.column("row_index").to_pylist() == list(range(N + 1))  # every row once
+    assert table.drop_columns(["row_index"]).to_pylist() == reference
+    assert not checkpoint_dir(out).exists()
