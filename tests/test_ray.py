@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.dataset as pds
@@ -139,8 +140,13 @@ def test_relay_run_ray_resumes_after_the_driver_is_killed(job, tmp_path):
     assert 0 < len(set(first)) and N not in first  # some rows written, not the held ones
     with pytest.raises(OutputError, match="add --resume"):
         run_ray_job(_opts(d, out))
-    result = run_ray_job(_opts(d, out, resume=True))
-    assert result["rows"] == N + 1 and result["error_rows"] == 1 and result["skipped_rows"] == len(first)
+    rc, lines = run(["run", "--in", d / "in.jsonl", "--out", out, "--prompt", d / "sys.relaykv", "--model",
+                     "dummy:tiny", "--max-batch", "4", "--max-tokens", "16", "--seed", "3", "--ray", "--resume"],
+                    COLUMNS="400", **{k: v for k, v in env.items() if k.startswith("RAY")})  # ray.init's token too
+    summary = [line for line in lines if line.startswith("wrote ")]
+    assert rc == 0 and len(summary) == 1, lines
+    assert re.fullmatch(rf"wrote {re.escape(str(out))}/: {N + 1} rows \({len(first)} from an earlier run\), 1 error "
+                        r"rows, [\d.]+ s, [\d.]+ rows/s \(1 Ray actor\(s\)\)", summary[0]), summary
     table = pds.dataset(out, format="parquet").to_table().sort_by("row_index")
     assert table.column("row_index").to_pylist() == list(range(N + 1))  # every row once
     assert table.drop_columns(["row_index"]).to_pylist() == reference
