@@ -151,3 +151,16 @@ def test_relay_run_ray_resumes_after_the_driver_is_killed(job, tmp_path):
     assert table.column("row_index").to_pylist() == list(range(N + 1))  # every row once
     assert table.drop_columns(["row_index"]).to_pylist() == reference
     assert not checkpoint_dir(out).exists()
+
+
+def test_request_datasource_reads_parquet_row_groups_as_relays_reader(job, tmp_path):
+    from relaycli.io.reader import open_requests
+    from relaycli.ray_source import RequestDatasource
+    _, rows, _ = job
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=5)
+    source = RequestDatasource(path, min_blocks=3, block_rows=8)
+    assert [(s.first_row, s.num_rows) for s in source.read_spans()] == [(0, 10), (10, 10), (20, 4)]
+    got = ray.data.read_datasource(source).take_all()
+    expected = [{"row_index": i, "request": json.dumps(raw), "read_error": None} for i, raw, _ in open_requests(path)]
+    assert sorted(got, key=lambda r: r["row_index"]) == expected
