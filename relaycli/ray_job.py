@@ -11,7 +11,8 @@ A job is resumable through Ray Data's checkpointing, keyed on `row_index`: the f
 `.OUT.ray-checkpoint` beside OUT holds the row indexes of the files written so far and the
 job's record (input and options); `--resume` skips those rows and answers the rest. A file
 written but not yet checkpointed when the job stopped is deleted on resuming, so OUT ends
-with every row once. The checkpoint folder is removed when the job completes.
+with every row once. The checkpoint folder is removed when the job completes. On a cluster
+of several nodes OUT, and so the checkpoint, must be on storage that every node sees.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
-from relaycli.errors import ConfigError
+from relaycli.errors import ConfigError, RelayError
 from relaycli.io.reader import open_requests
 from relaycli.io.writer import OutputError
 from relaycli.job import JobOptions, check_paths
@@ -102,9 +103,20 @@ def _count(out: Path) -> tuple[int, int]:
     return rows, errors
 
 
-def run_ray_job(opts: JobOptions, block_rows: int | None = None) -> dict:
+def relay_cause(exc: BaseException | None) -> RelayError | None:
+    """The RelayError that a Ray task or actor raised, from under Ray's wrappers (their
+    text holds a traceback; a user gets the one sentence)."""
+    from ray.exceptions import RayError
+    for _ in range(16):
+        if exc is None or (isinstance(exc, RelayError) and not isinstance(exc, RayError)):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def run_ray_job(opts: JobOptions) -> dict:
     """Answer every row on Ray; {rows, skipped_rows, error_rows, seconds, rows_per_second,
-    output_path, actors}. block_rows: rows a block holds at least (RequestDatasource's default)."""
+    output_path, actors}."""
     if opts.devices is not None:
         raise ConfigError("--devices and --ray both given; Ray places one actor per GPU of its cluster: drop one")
     check_paths(opts)
@@ -121,7 +133,7 @@ def run_ray_job(opts: JobOptions, block_rows: int | None = None) -> dict:
     from ray.data.checkpoint import CheckpointConfig
 
     from relaycli.ray import RelayPredictor
-    from relaycli.ray_source import BLOCK_ROWS, RequestDatasource
+    from relaycli.ray_source import RequestDatasource
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -131,7 +143,7 @@ def run_ray_job(opts: JobOptions, block_rows: int | None = None) -> dict:
     ctx.checkpoint_config = CheckpointConfig(id_column="row_index", checkpoint_path=str(state.resolve() / "ids"),
                                              delete_checkpoint_on_success=False)
     try:
-        rows_in = RequestDatasource(source, min_blocks=max(gpus, 1), block_rows=block_rows or BLOCK_ROWS)
+        rows_in = RequestDatasource(source, min_blocks=max(gpus, 1))
         # Reading and writing take no CPU of Ray's count: on a small machine the actors (the
         # predictors, and on resuming Ray's checkpoint filter) would otherwise hold every CPU
         # and the job would wait forever. Ray Data's backpressure still bounds them.
@@ -139,6 +151,11 @@ def run_ray_job(opts: JobOptions, block_rows: int | None = None) -> dict:
             RelayPredictor, fn_constructor_kwargs=kwargs, concurrency=max(gpus, 1),
             num_gpus=1 if gpus else 0, batch_size=4 * opts.engine.max_num_seqs, batch_format="pyarrow")
         ds.write_parquet(str(out.resolve()), ray_remote_args={"num_cpus": 0})
+    except Exception as e:
+        cause = relay_cause(e)
+        if cause is None:
+            raise
+        raise cause from None
     finally:
         ctx.execution_options.preserve_order, ctx.checkpoint_config = saved
     out.mkdir(exist_ok=True)  # an input of no rows writes no file

@@ -164,3 +164,18 @@ def test_request_datasource_reads_parquet_row_groups_as_relays_reader(job, tmp_p
     got = ray.data.read_datasource(source).take_all()
     expected = [{"row_index": i, "request": json.dumps(raw), "read_error": None} for i, raw, _ in open_requests(path)]
     assert sorted(got, key=lambda r: r["row_index"]) == expected
+
+
+def test_a_read_task_refuses_an_input_changed_after_planning(job, tmp_path):
+    from relaycli.io.reader import InputError
+    from relaycli.ray_job import relay_cause
+    from relaycli.ray_source import RequestDatasource
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    source = RequestDatasource(path)
+    with open(path, "a") as f:
+        f.write('{"prompt": "added"}\n')
+    with pytest.raises(Exception) as caught:
+        ray.data.read_datasource(source).take_all()
+    cause = relay_cause(caught.value)  # what `relay run --ray` shows: one sentence, no traceback
+    assert type(cause) is InputError and str(cause).startswith(f"the input file {path} changed while the job ran")
