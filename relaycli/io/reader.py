@@ -141,9 +141,13 @@ def _lines(f, digest=None, at_end: Callable[[], None] | None = None, line_no: in
         if line_no == 0:
             physical = physical.removeprefix(_BOM)
         physical = physical.removesuffix(b"\n").removesuffix(b"\r")
-        for k, line in enumerate(physical.split(b"\r") if cr_lines else (physical,)):
+        if cr_lines:
+            for k, line in enumerate(physical.split(b"\r")):
+                line_no += 1
+                yield line_no, line, start if k == 0 else None
+        else:
             line_no += 1
-            yield line_no, line, start if k == 0 else None
+            yield line_no, physical, start
         if end is not None and offset >= end:
             break
     if at_end is not None:
