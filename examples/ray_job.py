@@ -3,9 +3,10 @@
     relay compile-prompt examples/system_prompt.txt --out sys.relaykv
     python examples/ray_job.py sys.relaykv answers/      # RAY_ADDRESS for a cluster; else a local one
 
-One actor per GPU of the cluster (one on the CPU without GPUs). The answers are a Parquet
-dataset with relay's output columns and row_index; rows keep their JSON in one `request`
-column, so nested fields (messages, json_schema) reach relay exactly.
+One actor per GPU of the cluster (one on the CPU without GPUs). Ray's read tasks read the
+input in place with relay's reader; rows keep their JSON in one `request` column, so nested
+fields (messages, json_schema) reach relay exactly. The answers are a Parquet dataset with
+relay's output columns and row_index.
 """
 
 import json
@@ -15,14 +16,14 @@ from pathlib import Path
 import ray
 
 from relaycli.ray import RelayPredictor
+from relaycli.ray_source import RequestDatasource
 
 artifact, out = sys.argv[1], sys.argv[2]
 ray.init()
 gpus = int(ray.cluster_resources().get("GPU", 0))
-lines = Path(__file__).with_name("requests.jsonl").read_text().splitlines()
-items = [{"row_index": i, "request": line} for i, line in enumerate(lines)]
+requests = RequestDatasource(Path(__file__).with_name("requests.jsonl"), min_blocks=max(gpus, 1))
 ray.data.DataContext.get_current().execution_options.preserve_order = True
-answers = ray.data.from_items(items, override_num_blocks=max(gpus, 1)).map_batches(
+answers = ray.data.read_datasource(requests).map_batches(
     RelayPredictor, fn_constructor_kwargs={"prompts": [str(Path(artifact).resolve())], "max_batch": 64,
                                            "max_tokens": 64},
     concurrency=max(gpus, 1), num_gpus=1 if gpus else 0, batch_size=256, batch_format="pyarrow")

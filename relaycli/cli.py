@@ -208,8 +208,10 @@ def _run_on_ray(opts, quiet: bool):
         from relaycli.io.parts import write_json
         write_json(opts.stats_json, result)
     if not quiet:
-        err_console.print(f"wrote {escape(result['output_path'])}/: {result['rows']} rows, {result['error_rows']} "
-                          f"error rows ({result['actors']} Ray actor(s))", highlight=False)
+        earlier = f" ({result['skipped_rows']} from an earlier run)" if result["skipped_rows"] else ""
+        err_console.print(f"wrote {escape(result['output_path'])}/: {result['rows']} rows{earlier}, "
+                          f"{result['error_rows']} error rows, {result['seconds']:.1f} s, "
+                          f"{result['rows_per_second']:.2f} rows/s ({result['actors']} Ray actor(s))", highlight=False)
     return SimpleNamespace(error_rows=result["error_rows"])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.dataset as pds
@@ -13,6 +14,7 @@ import pytest
 
 from relaycli.config import EngineConfig
 from relaycli.errors import ConfigError
+from relaycli.io.writer import OutputError
 from relaycli.io.requests import RequestDefaults
 from relaycli.job import JobOptions, run_job
 from tests.helpers_faults import run
@@ -67,8 +69,11 @@ def test_relay_run_ray_writes_the_answers_of_a_local_job(job, tmp_path):
     table = pds.dataset(tmp_path / "answers", format="parquet").to_table()
     assert table.column("row_index").to_pylist() == list(range(N + 1))  # the dataset keeps input order
     assert table.drop_columns(["row_index"]).to_pylist() == reference  # the unreadable line too
-    with pytest.raises(ConfigError, match="--resume"):
-        run_ray_job(_opts(d, tmp_path / "again", resume=True))
+    assert not (tmp_path / ".answers.ray-checkpoint").exists()  # removed once the job is complete
+    with pytest.raises(OutputError, match="already exists; add --resume"):
+        run_ray_job(_opts(d, tmp_path / "answers"))
+    with pytest.raises(OutputError, match="holds a finished --ray job"):
+        run_ray_job(_opts(d, tmp_path / "answers", resume=True))
 
 
 def test_a_predictor_outside_ray_names_bad_rows_and_options(job):
@@ -81,3 +86,96 @@ def test_a_predictor_outside_ray_names_bad_rows_and_options(job):
     got = asyncio.run(predictor(batch)).to_pylist()
     assert {k: v for k, v in got[0].items() if k != "row_index"} == reference[1]
     assert got[1]["finish_reason"] == "error" and got[1]["error"].startswith("row 7: 'prompt' is empty")
+
+
+HELD_DRIVER = r'''
+import asyncio, json, sys
+from pathlib import Path
+import relaycli.ray
+from relaycli.config import EngineConfig
+from relaycli.io.requests import RequestDefaults
+from relaycli.job import JobOptions
+from relaycli.ray_job import run_ray_job
+
+class Held(relaycli.ray.RelayPredictor):
+    """Holds the batch of the last row, so the driver's kill lands while rows remain."""
+    async def __call__(self, batch):
+        if max(batch.column("row_index").to_pylist()) == 24:
+            await asyncio.Event().wait()
+        return await super().__call__(batch)
+
+relaycli.ray.RelayPredictor = Held
+d, out = Path(sys.argv[1]), Path(sys.argv[2])
+run_ray_job(JobOptions(input_path=d / "in.jsonl", output_path=out, prompt_paths=[d / "sys.relaykv"],
+                       model="dummy:tiny", engine=EngineConfig(max_num_seqs=4),
+                       defaults=RequestDefaults(max_tokens=16, seed_base=3)))
+'''
+
+
+def test_relay_run_ray_resumes_after_the_driver_is_killed(job, tmp_path):
+    """The driver (a `relay run --ray` process on the cluster) is killed with SIGKILL once
+    some answers are written; --resume answers the rest, and OUT holds every row once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from relaycli.ray_job import checkpoint_dir, run_ray_job
+    d, _, reference = job
+    out = tmp_path / "answers"
+    ids = checkpoint_dir(out) / "ids"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    with open(tmp_path / "driver.log", "wb") as log:
+        driver = subprocess.Popen([sys.executable, "-c", HELD_DRIVER, str(d), str(out)], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not (ids.is_dir() and any(p.name.endswith(".parquet") and ".pending" not in p.name
+                                        for p in ids.iterdir())):
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()
+            time.sleep(0.02)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    first = pds.dataset(out, format="parquet").to_table().column("row_index").to_pylist()
+    assert 0 < len(set(first)) and N not in first  # some rows written, not the held ones
+    with pytest.raises(OutputError, match="add --resume"):
+        run_ray_job(_opts(d, out))
+    rc, lines = run(["run", "--in", d / "in.jsonl", "--out", out, "--prompt", d / "sys.relaykv", "--model",
+                     "dummy:tiny", "--max-batch", "4", "--max-tokens", "16", "--seed", "3", "--ray", "--resume"],
+                    COLUMNS="400", **{k: v for k, v in env.items() if k.startswith("RAY")})  # ray.init's token too
+    summary = [line for line in lines if line.startswith("wrote ")]
+    assert rc == 0 and len(summary) == 1, lines
+    assert re.fullmatch(rf"wrote {re.escape(str(out))}/: {N + 1} rows \({len(first)} from an earlier run\), 1 error "
+                        r"rows, [\d.]+ s, [\d.]+ rows/s \(1 Ray actor\(s\)\)", summary[0]), summary
+    table = pds.dataset(out, format="parquet").to_table().sort_by("row_index")
+    assert table.column("row_index").to_pylist() == list(range(N + 1))  # every row once
+    assert table.drop_columns(["row_index"]).to_pylist() == reference
+    assert not checkpoint_dir(out).exists()
+
+
+def test_request_datasource_reads_parquet_row_groups_as_relays_reader(job, tmp_path):
+    from relaycli.io.reader import open_requests
+    from relaycli.ray_source import RequestDatasource
+    _, rows, _ = job
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=5)
+    source = RequestDatasource(path, min_blocks=3, block_rows=8)
+    assert [(s.first_row, s.num_rows) for s in source.read_spans()] == [(0, 10), (10, 10), (20, 4)]
+    got = ray.data.read_datasource(source).take_all()
+    expected = [{"row_index": i, "request": json.dumps(raw), "read_error": None} for i, raw, _ in open_requests(path)]
+    assert sorted(got, key=lambda r: r["row_index"]) == expected
+
+
+def test_a_read_task_refuses_an_input_changed_after_planning(job, tmp_path):
+    from relaycli.io.reader import InputError
+    from relaycli.ray_job import relay_cause
+    from relaycli.ray_source import RequestDatasource
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    source = RequestDatasource(path)
+    with open(path, "a") as f:
+        f.write('{"prompt": "added"}\n')
+    with pytest.raises(Exception) as caught:
+        ray.data.read_datasource(source).take_all()
+    cause = relay_cause(caught.value)  # what `relay run --ray` shows: one sentence, no traceback
+    assert type(cause) is InputError and str(cause).startswith(f"the input file {path} changed while the job ran")

@@ -1,7 +1,9 @@
 """Streaming request readers: JSONL line by line, Parquet batch by batch.
 
 Memory stays flat however large the input: neither reader holds more than one
-line or one record batch. A row that cannot be read becomes a parse error for that
+line or one record batch. An input also cuts into spans (JSONL byte ranges at line starts,
+Parquet row groups) that other processes read apart with `read_span`, each row with the same
+index and error text as in one reading of the whole file. A row that cannot be read becomes a parse error for that
 row (the job goes on); only a file that cannot be opened at all raises InputError.
 
 A job pins its input by the file's bytes (sha256) and identity (device, inode, size,
@@ -12,24 +14,27 @@ so far are of the pinned file, and `--resume` refuses another file.
 
 from __future__ import annotations
 
-from relaycli.errors import RelayError
 import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Set
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from relaycli.errors import RelayError
 from relaycli.io.requests import RequestDefaults, RequestRow, ResultRow, parse_request
 
 FORMATS = ("jsonl", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 _PARQUET_BATCH_ROWS = 1024  # rows a Parquet batch holds in memory at once
 _BOM = b"\xef\xbb\xbf"
+_SPLIT_ROWS = 64  # rows between the places a JSONL file may be cut into spans (doubles for large files)
+_MAX_SPLITS = 1 << 16  # at most this many of them are kept
 
 # (row_index, the row as a dict or None, a one-line parse error or None)
 RawRow = tuple[int, "dict | None", "str | None"]
@@ -43,13 +48,20 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def _stamp(st: os.stat_result) -> tuple[int, int]:
+    """Size and modification time: the part of a file's identity that another node of a
+    cluster sees the same on a shared file system (device and inode numbers differ there)."""
+    return st.st_size, st.st_mtime_ns
+
+
 def _changed(path: Path) -> InputError:
     return InputError(f"the input file {path} changed while the job ran (replaced, cut short or rewritten); put "
                       "the original back and run the same command with --resume")
 
 
-def _open_pinned(path: Path, identity: tuple) -> BinaryIO:
-    """The input opened again for reading, refused unless it is still the file first opened."""
+def _open_pinned(path: Path, identity: tuple, pin_of: Callable = _identity) -> BinaryIO:
+    """The input opened again for reading, refused unless it is still the file first opened
+    (pin_of(stat) == identity)."""
     try:
         f = open(path, "rb", buffering=1 << 20)
     except FileNotFoundError:
@@ -57,7 +69,7 @@ def _open_pinned(path: Path, identity: tuple) -> BinaryIO:
                          "command with --resume") from None
     except OSError as e:
         raise InputError(f"input file {path} cannot be read ({e.strerror})") from None
-    if _identity(os.fstat(f.fileno())) != identity:
+    if pin_of(os.fstat(f.fileno())) != identity:
         f.close()
         raise _changed(path)
     return f
@@ -86,6 +98,10 @@ class RequestSource(ABC):
     def __iter__(self) -> Iterator[RawRow]:
         ...
 
+    @abstractmethod
+    def spans(self) -> list[Span]:
+        """The input cut into consecutive spans that `read_span` reads apart, in any process."""
+
     def __len__(self) -> int:
         return self.num_rows
 
@@ -101,19 +117,23 @@ class RequestSource(ABC):
         return digest
 
 
-def _lines(f, digest=None, at_end: Callable[[], None] | None = None) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of an opened JSONL file, for counting and reading alike, so
-    num_rows always equals the rows read. A UTF-8 BOM before the first line is not part of
-    it. Lines end in LF or CRLF. A file with no LF at all, but CRs, has old Mac line
-    endings: there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace.
-    digest: a hashlib object that is fed every byte of the file on the way.
-    at_end(): called once the whole file is read, before its last line is yielded (only
-    the last line lacks an LF), so a check of all the bytes can stop a line cut short."""
-    line_no = 0
+def _lines(f, digest=None, at_end: Callable[[], None] | None = None, line_no: int = 0,
+           end: int | None = None) -> Iterator[tuple[int, bytes, int | None]]:
+    """(line number, line, offset) of an opened JSONL file from its position on, for counting
+    and reading alike, so num_rows always equals the rows read. A UTF-8 BOM before the first
+    line is not part of it. Lines end in LF or CRLF. A file with no LF at all, but CRs, has old
+    Mac line endings: there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace.
+    offset: where the line starts in the file; None for a line after a lone CR, where a span
+    cannot start. line_no: the lines before the position. end: stop at this offset, a line's start.
+    digest: a hashlib object that is fed every byte read on the way.
+    at_end(): called once the whole file (or range) is read, before its last line is yielded,
+    so a check of all the bytes can stop a line cut short."""
+    offset = f.tell()
     for physical in f:
+        start, offset = offset, offset + len(physical)
         if digest is not None:
             digest.update(physical)
-        if at_end is not None and not physical.endswith(b"\n"):
+        if at_end is not None and (not physical.endswith(b"\n") or (end is not None and offset >= end)):
             at_end()
             at_end = None
         # Only a first line without its LF is the whole file (iteration splits on LF).
@@ -121,11 +141,65 @@ def _lines(f, digest=None, at_end: Callable[[], None] | None = None) -> Iterator
         if line_no == 0:
             physical = physical.removeprefix(_BOM)
         physical = physical.removesuffix(b"\n").removesuffix(b"\r")
-        for line in physical.split(b"\r") if cr_lines else (physical,):
+        if cr_lines:
+            for k, line in enumerate(physical.split(b"\r")):
+                line_no += 1
+                yield line_no, line, start if k == 0 else None
+        else:
             line_no += 1
-            yield line_no, line
+            yield line_no, physical, start
+        if end is not None and offset >= end:
+            break
     if at_end is not None:
         at_end()
+
+
+@dataclass(frozen=True)
+class Span:
+    """Consecutive rows of an input that read on their own, in another process or on another
+    node (`read_span`): bytes [start, end) of a JSONL file, cut at line starts, or row groups
+    [start, end) of a Parquet file. first_row is its first row's index and lines_before the
+    JSONL lines before it, so its rows and error texts are those of the whole file's reading.
+    pin: the file's size and modification time when it was planned."""
+    path: Path
+    fmt: str
+    start: int
+    end: int
+    first_row: int
+    num_rows: int
+    lines_before: int
+    pin: tuple[int, int]
+
+
+def join_spans(spans: list[Span]) -> Span:
+    """One span of consecutive spans."""
+    return replace(spans[0], end=spans[-1].end, num_rows=sum(s.num_rows for s in spans))
+
+
+def read_span(span: Span) -> Iterator[RawRow]:
+    """The rows of a span: row indexes, rows and error texts exactly as iterating the whole
+    input gives them. The file must still have the planned size and modification time, checked
+    on opening and before the span's last row."""
+    with _open_pinned(span.path, span.pin, _stamp) as f:
+        def unchanged() -> None:
+            if _stamp(os.fstat(f.fileno())) != span.pin:
+                raise _changed(span.path)
+
+        if span.fmt == "jsonl":
+            f.seek(span.start)
+            rows = _jsonl_rows(f, span.path, span.first_row, span.lines_before, span.end, at_end=unchanged)
+        else:
+            try:
+                pf = pq.ParquetFile(f)
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"{span.path} is not a readable Parquet file ({_first_line(e)})") from None
+            rows = _parquet_rows(pf, span.path, range(span.start, span.end), span.first_row, unchanged)
+        count = 0
+        for row in rows:
+            count += 1
+            yield row
+        if count != span.num_rows:
+            raise _changed(span.path)
 
 
 def _refuse_wide_text(path: Path) -> None:
@@ -157,16 +231,22 @@ class JsonlSource(RequestSource):
     def __init__(self, path: Path) -> None:
         _refuse_wide_text(path)
         num_rows, first, digest = 0, None, hashlib.sha256()
+        step, splits = _SPLIT_ROWS, []  # (offset, row index, lines before) where a span may start
         with open(path, "rb", buffering=1 << 20) as f:
             identity = _identity(os.fstat(f.fileno()))
-            for _, line in _lines(f, digest):  # the counting pass also hashes: the input is read once for both
+            for line_no, line, start in _lines(f, digest):  # the counting pass also hashes: one read for both
                 if not _is_blank(line):
+                    if num_rows % step == 0 and num_rows and start is not None:
+                        splits.append((start, num_rows, line_no - 1))
+                        if len(splits) > _MAX_SPLITS:
+                            splits, step = splits[1::2], 2 * step
                     num_rows += 1
                     if first is None:
                         first = line.strip()
             if _identity(os.fstat(f.fileno())) != identity:
                 raise _changed(path)
         self._sha256 = digest.hexdigest()
+        self._splits = splits
         if first in (b"[", b"{"):
             # A pretty-printed JSON document would otherwise turn into one error per line.
             raise InputError(f"{path} looks like pretty-printed JSON; relay reads JSON Lines: "
@@ -176,6 +256,13 @@ class JsonlSource(RequestSource):
     def content_sha256(self) -> str:
         return self._sha256
 
+    def spans(self) -> list[Span]:
+        """The file cut at line starts into spans of about equal rows (at least 64 each, and
+        at most 65,537 spans however large the file)."""
+        size, pin = self.identity[2], (self.identity[2], self.identity[3])
+        bounds = [(0, 0, 0), *self._splits, (size, self.num_rows, 0)]
+        return [Span(self.path, "jsonl", a[0], b[0], a[1], b[1] - a[1], a[2], pin) for a, b in zip(bounds, bounds[1:])]
+
     def __iter__(self) -> Iterator[RawRow]:
         digest = hashlib.sha256()
 
@@ -183,17 +270,22 @@ class JsonlSource(RequestSource):
             if digest.hexdigest() != self._sha256:
                 raise _changed(self.path)
 
-        row_index = 0
         with _open_pinned(self.path, self.identity) as f:
-            try:
-                for line_no, line in _lines(f, digest, same_bytes):
-                    if _is_blank(line):
-                        continue
-                    yield (row_index, *_parse_line(line, row_index, line_no))
-                    row_index += 1
-            except OSError as e:
-                raise InputError(f"input file {self.path} could not be read to its end ({e.strerror}); "
-                                 "run the same command with --resume") from None
+            yield from _jsonl_rows(f, self.path, 0, 0, None, digest, same_bytes)
+
+
+def _jsonl_rows(f, path: Path, row_index: int, line_no: int, end: int | None, digest=None,
+                at_end: Callable[[], None] | None = None) -> Iterator[RawRow]:
+    """The rows of an opened JSONL file from its position (row row_index, after line_no lines) to end."""
+    try:
+        for line_no, line, _ in _lines(f, digest, at_end, line_no, end):
+            if _is_blank(line):
+                continue
+            yield (row_index, *_parse_line(line, row_index, line_no))
+            row_index += 1
+    except OSError as e:
+        raise InputError(f"input file {path} could not be read to its end ({e.strerror}); "
+                         "run the same command with --resume") from None
 
 
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -235,37 +327,53 @@ class ParquetSource(RequestSource):
             raise InputError(f"{path} is not a readable Parquet file ({_first_line(e)})") from None
         super().__init__(path, "parquet", num_rows, identity)
 
+    def spans(self) -> list[Span]:
+        """One span per row group."""
+        try:
+            meta = pq.ParquetFile(self.path).metadata
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path} is not a readable Parquet file ({_first_line(e)})") from None
+        pin, spans, first = (self.identity[2], self.identity[3]), [], 0
+        for group in range(meta.num_row_groups):
+            rows = meta.row_group(group).num_rows
+            spans.append(Span(self.path, "parquet", group, group + 1, first, rows, 0, pin))
+            first += rows
+        return spans
+
     def __iter__(self) -> Iterator[RawRow]:
         with _open_pinned(self.path, self.identity) as f:
             try:
                 pf = pq.ParquetFile(f)
             except (pa.ArrowException, OSError) as e:
                 raise InputError(f"{self.path} is not a readable Parquet file ({_first_line(e)})") from None
+
+            def unchanged() -> None:
+                if _identity(os.fstat(f.fileno())) != self.identity:
+                    raise _changed(self.path)
+
             with pf:
-                yield from self._groups(pf, f)
+                yield from _parquet_rows(pf, self.path, range(pf.metadata.num_row_groups), 0, unchanged)
 
-    def _groups(self, pf: pq.ParquetFile, f) -> Iterator[RawRow]:
-        num_groups = pf.metadata.num_row_groups
-        row_index = 0
-        for group in range(num_groups):
-            first, end = row_index, row_index + pf.metadata.row_group(group).num_rows
-            try:
-                for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
-                    self._check_unchanged(f)  # rows read from a file rewritten meanwhile are not handed on
-                    for row in batch.to_pylist():
-                        yield row_index, _drop_nulls(row), None
-                        row_index += 1
-            except (pa.ArrowException, OSError) as e:
-                self._check_unchanged(f)  # a file cut short is no damaged row group
-                why = (f"Parquet row group {group + 1} of {num_groups} (rows {first}-{end - 1}) could not be "
-                       f"read ({_first_line(e)}); rewrite the file to answer this row")
-                for lost in range(row_index, end):
-                    yield lost, None, f"row {lost}: {why}"
-                row_index = end
 
-    def _check_unchanged(self, f) -> None:
-        if _identity(os.fstat(f.fileno())) != self.identity:
-            raise _changed(self.path)
+def _parquet_rows(pf: pq.ParquetFile, path: Path, groups: range, row_index: int,
+                  unchanged: Callable[[], None]) -> Iterator[RawRow]:
+    """The rows of row groups `groups` (the first row being row_index), one group at a time."""
+    num_groups = pf.metadata.num_row_groups
+    for group in groups:
+        first, end = row_index, row_index + pf.metadata.row_group(group).num_rows
+        try:
+            for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
+                unchanged()  # rows read from a file rewritten meanwhile are not handed on
+                for row in batch.to_pylist():
+                    yield row_index, _drop_nulls(row), None
+                    row_index += 1
+        except (pa.ArrowException, OSError) as e:
+            unchanged()  # a file cut short is no damaged row group
+            why = (f"Parquet row group {group + 1} of {num_groups} (rows {first}-{end - 1}) could not be "
+                   f"read ({_first_line(e)}); rewrite the file to answer this row")
+            for lost in range(row_index, end):
+                yield lost, None, f"row {lost}: {why}"
+            row_index = end
 
 
 def _first_line(e: BaseException) -> str:
