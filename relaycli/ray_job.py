@@ -17,7 +17,6 @@ of several nodes OUT, and so the checkpoint, must be on storage that every node 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -51,7 +50,10 @@ def checkpoint_dir(out: Path) -> Path:
 
 def _record(opts: JobOptions, source, kwargs: dict) -> dict:
     """What the answers depend on: a resumed job must have the same."""
-    prompts = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in opts.prompt_paths]
+    from relaycli.artifact import read_artifact
+    # The checksum each artifact's metadata holds (a map and a header read, not the KV bytes);
+    # the actors verify it when they load the artifacts.
+    prompts = [read_artifact(p, verify_checksum=False).meta["checksum"] for p in opts.prompt_paths]
     record = {"input_sha256": source.content_sha256(), "prompts_sha256": prompts, "predictor": kwargs}
     return json.loads(json.dumps(record))  # as the file holds it
 
