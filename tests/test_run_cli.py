@@ -222,6 +222,8 @@ STOP_AFTER_3 = """
 import os, signal, sys
 from relaycli.io import writer
 real, signum = writer.ResultWriter.write, getattr(signal, sys.argv[1])
+# as in a terminal, whatever launched the tests (a shell ignores SIGINT in background jobs)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def write(self, result):
     real(self, result)
     if len(self._done) == 3:
