@@ -81,11 +81,12 @@ class PagedAttention:
     prefixes[slot] = (keys per layer, values per layer), each [S, Hkv, D].
     store: keep each layer's prefixes in one store (relaycli.kernels.metadata.LayerPrefixes), which
     steps with a PrefixTable read; the slots are then views of it (prefix_layers).
+    store_tokens: rows the store has room for at least (prefixes added while the engine runs).
     """
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  prefixes: list[tuple[list[torch.Tensor], list[torch.Tensor]]], mode: str, impl: str,
-                 scale: float, store: bool = False) -> None:
+                 scale: float, store: bool = False, store_tokens: int = 0) -> None:
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
         if impl not in ATTENTION_IMPLS:
@@ -95,7 +96,7 @@ class PagedAttention:
         num_layers = len(k_caches)
         # Per layer, the (k, v) of every prefix slot: what the kernels take.
         pairs = [[(keys[i], values[i]) for keys, values in prefixes] for i in range(num_layers)]
-        self.prefix_layers = [LayerPrefixes.stored(p) if store else LayerPrefixes(p) for p in pairs]
+        self.prefix_layers = [LayerPrefixes.stored(p, store_tokens) if store else LayerPrefixes(p) for p in pairs]
         # the second stream of relay's overlapped decode step (whichever kernel the step
         # launches first; high priority, so the block scheduler places its programs first),
         # one per engine so every captured graph forks onto the same stream

@@ -42,25 +42,47 @@ class PrefixTable:
 
 class LayerPrefixes(list):
     """One layer's loaded prefixes: [(k, v)] by slot, each [S_slot, Hkv, D], plus, where the
-    engine keeps them in one store (CUDA), the store's k and v [S_total, Hkv, D], of which
-    the slots are consecutive views. Steps with a PrefixTable read the store."""
+    engine keeps them in one store (CUDA), the store's k and v [S_store, Hkv, D], of which
+    the slots are consecutive views from row 0 and `used` rows are taken. Steps with a
+    PrefixTable read the store, each group only its slot's rows."""
 
-    def __init__(self, pairs, store: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(self, pairs, store: tuple[torch.Tensor, torch.Tensor] | None = None, used: int = 0) -> None:
         super().__init__(pairs)
-        self.store = store
+        self.store, self.used = store, used
 
     @classmethod
-    def stored(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> "LayerPrefixes":
-        """The pairs copied into one store, the slots then views of it (in slot order)."""
-        if len(pairs) <= 1:
-            return cls(pairs, pairs[0] if pairs else None)
-        k_store = torch.cat([k for k, _ in pairs])
-        v_store = torch.cat([v for _, v in pairs])
-        views, start = [], 0
-        for k, _ in pairs:
-            views.append((k_store[start:start + k.shape[0]], v_store[start:start + k.shape[0]]))
-            start += k.shape[0]
-        return cls(views, (k_store, v_store))
+    def stored(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]], capacity: int = 0) -> "LayerPrefixes":
+        """The pairs copied into one store of at least `capacity` rows (room for prefixes
+        added later without a new store), the slots then views of it (in slot order)."""
+        total = sum(k.shape[0] for k, _ in pairs)
+        if len(pairs) <= 1 and capacity <= total:
+            return cls(pairs, pairs[0] if pairs else None, total)
+        k0, v0 = pairs[0]
+        rows = max(total, capacity)
+        # zeros: rows past `used` are never read, but a tile's masked keys still enter p @ v
+        k_store = torch.zeros((rows, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+        v_store = torch.zeros((rows, *v0.shape[1:]), dtype=v0.dtype, device=v0.device)
+        layer = cls([], (k_store, v_store), 0)
+        for pair in pairs:
+            layer._write(pair)
+        return layer
+
+    def appended(self, pair: tuple[torch.Tensor, torch.Tensor]) -> "LayerPrefixes":
+        """These prefixes and one more: written into the store's free rows where they
+        suffice (the store, and so any graph that names it, stays), else a larger store."""
+        if self.store is None or self.used + pair[0].shape[0] > self.store[0].shape[0]:
+            return LayerPrefixes.stored(list(self) + [pair])
+        layer = LayerPrefixes(list(self), self.store, self.used)
+        layer._write(pair)
+        return layer
+
+    def _write(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        (k, v), (k_store, v_store), start = pair, self.store, self.used
+        end = start + k.shape[0]
+        k_store[start:end].copy_(k)
+        v_store[start:end].copy_(v)
+        self.append((k_store[start:end], v_store[start:end]))
+        self.used = end
 
 
 def prefix_table_rows(row_slots: list[int | None], prefix_lens: list[int],

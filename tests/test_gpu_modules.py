@@ -1,6 +1,6 @@
 """Prompt-module rows on CUDA: the Triton kernels and decode graphs read the prefixes that
-module paths add while the job runs (each addition rebuilds the prefix store and drops the
-captured graphs), and give the tokens of the CPU engine, which the CPU tests hold equal to
+module paths add while the job runs (each addition is written into the room the prefix
+store keeps for the library's paths, and drops the captured graphs), and give the tokens of the CPU engine, which the CPU tests hold equal to
 transformers. CUDA only."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from relaycli.compile import load_checked  # noqa: E402
 from relaycli.config import EngineConfig  # noqa: E402
 from relaycli.engine.engine import Engine  # noqa: E402
+from relaycli.engine.module_prefixes import path_tokens  # noqa: E402
 from relaycli.io.requests import parse_request  # noqa: E402
 from relaycli.models.registry import load_model  # noqa: E402
 from relaycli.module_compile import compile_library  # noqa: E402
@@ -48,3 +49,7 @@ def test_module_rows_on_cuda_give_the_cpu_engines_tokens(default_model, relay_ca
     assert engine.modules.built == 4
     assert engine.stats.graphed_decode_steps > 0
     assert got == want
+    layer = engine.runner.attention.prefix_layers[0]
+    art = load_checked(library, gpu)
+    assert layer.store[0].shape[0] == art.num_tokens + path_tokens([art])  # the room, never grown
+    assert layer.used == sum(k.shape[0] for k, _ in layer) < layer.store[0].shape[0]

@@ -16,8 +16,11 @@ from relaycli.bench.modules import forward_logits, library_prefix, sequence_ids
 from relaycli.cli import app
 from relaycli.compile import load_checked, prefill_kv
 from relaycli.config import EngineConfig
+from relaycli.engine import model_runner
 from relaycli.engine.engine import Engine
+from relaycli.engine.module_prefixes import path_tokens
 from relaycli.io.requests import derive_seed, parse_request
+from relaycli.kernels.metadata import LayerPrefixes
 from relaycli.module_compile import compile_library
 from relaycli.modules import parse_schema
 
@@ -269,3 +272,42 @@ def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
     assert [r["id"] for r in rows] == ["m1", "m2", "m3", "m4", "m5", "m6"]
     assert all(r["error"] is None and r["cached_tokens"] > 0 for r in rows[:5])
     assert "alternatives of one union" in rows[5]["error"]
+
+
+def test_the_prefix_store_takes_later_paths_in_its_room_and_grows_past_it():
+    def pair(n, fill):
+        return torch.full((n, 2, 4), float(fill)), torch.full((n, 2, 4), -float(fill))
+    layer = LayerPrefixes.stored([pair(3, 1)], capacity=8)
+    store = layer.store[0]
+    assert store.shape[0] == 8 and layer.used == 3 and len(layer) == 1
+    layer = layer.appended(pair(4, 2))
+    assert layer.store[0] is store and layer.used == 7  # written in place: graphs that name it stay valid
+    assert [k.shape[0] for k, _ in layer] == [3, 4]
+    assert torch.equal(layer[1][0], torch.full((4, 2, 4), 2.0)) and torch.equal(layer[1][1], torch.full((4, 2, 4), -2.0))
+    assert layer[0][0].data_ptr() == store.data_ptr() and torch.all(store[7:] == 0)
+    grown = layer.appended(pair(2, 3))  # past the room: one new store holding all three
+    assert grown.store[0] is not store and grown.used == 9 and grown.store[0].shape[0] == 9
+    assert [float(k[0, 0, 0]) for k, _ in grown] == [1.0, 2.0, 3.0]
+    assert [k.shape[0] for k, _ in layer] == [3, 4]  # the old list is left as it was
+
+
+def test_the_engine_keeps_room_for_every_module_path_of_its_libraries(default_model, exact):
+    art = load_checked(exact, default_model)
+    segs = {s["name"]: s["end"] - s["start"] for s in art.meta["segments"]}
+    chains = {"policy": ["policy"], "contract": ["policy", "contract"], "clause": ["policy", "contract", "clause"],
+              "basic": ["policy", "basic"], "pro": ["policy", "pro"]}
+    assert path_tokens([art]) == sum(segs["system"] + sum(segs[m] for m in c) for c in chains.values())
+    assert path_tokens([]) == 0
+
+
+def test_a_module_path_the_device_cannot_hold_is_an_error_row(default_model, exact, monkeypatch):
+    art = load_checked(exact, default_model)
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=4, kv_cache_gb=0.1))
+
+    def full(pairs, store=None, used=0):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(model_runner, "LayerPrefixes", full)  # what the CPU's prefix list is made of
+    results = {r.row_index: r for r in engine.generate(_rows([{"prompt": "q", "modules": ["policy"]},
+                                                               {"prompt": "Hello there"}]))}
+    assert results[0].error.startswith("row 0: a shared prefix of ") and "lower --kv-cache-gb" in results[0].error
+    assert results[1].error is None

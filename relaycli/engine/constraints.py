@@ -62,6 +62,7 @@ class Grammars:
         self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_ids)
         self._compiler = None
         self._compiled: dict[str, object] = {}
+        self._batch = None  # fills a step's masks on all cores (xgrammar's BatchGrammarMatcher)
         self._errors: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -111,17 +112,26 @@ class Grammars:
         return compiler.compile_grammar(spec.source)
 
     def matcher(self, compiled) -> RowMatcher:
-        return RowMatcher(_xgrammar().GrammarMatcher(compiled))
+        xgr = _xgrammar()
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        return RowMatcher(xgr.GrammarMatcher(compiled), self._batch)
 
 
 class RowMatcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher) -> None:
-        self._m = matcher
+    def __init__(self, matcher, batch) -> None:
+        self._m, self._batch = matcher, batch
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    @staticmethod
+    def fill_all(matchers: list[RowMatcher], bitmask: torch.Tensor) -> None:
+        """Row i of bitmask from matchers[i], the rows filled in parallel (one step's masks)."""
+        if matchers:
+            matchers[0]._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
 
     def accept(self, token: int) -> bool:
         """Take the sampled token; False when the grammar does not allow it."""
@@ -134,16 +144,16 @@ class RowMatcher:
 
 
 def apply_masks(logits: torch.Tensor, matchers: list[RowMatcher | None]) -> torch.Tensor:
-    """logits [B, V] with -inf where a row's grammar forbids the token (rows without a
-    matcher unchanged). Returns logits itself when no row has a matcher, else a new tensor."""
-    rows = [b for b, m in enumerate(matchers) if m is not None]
+    """logits [B, V] with -inf where a row's grammar forbids the token. Rows without a
+    matcher, or whose grammar has ended (a step the row is no longer part of: its token is
+    dropped), are unchanged. Returns logits itself when no row is masked, else a new tensor."""
+    rows = [b for b, m in enumerate(matchers) if m is not None and not m.is_done]
     if not rows:
         return logits
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32
     bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-    for i, b in enumerate(rows):
-        matchers[b].fill(bitmask, i)
+    RowMatcher.fill_all([matchers[b] for b in rows], bitmask)
     dev = logits.device
     bits = stage(bitmask, dev)
     shifts = torch.arange(32, dtype=torch.int32, device=dev)

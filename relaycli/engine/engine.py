@@ -19,10 +19,11 @@ from relaycli.engine.constraints import ConstraintError, Grammars
 from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
-from relaycli.engine.module_prefixes import ModulePrefixes
+from relaycli.engine.module_prefixes import ModulePrefixes, path_tokens
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.engine.stats import EngineStats
+from relaycli.errors import ConfigError
 from relaycli.engine.stops import StopWatch
 from relaycli.engine.vocab import Vocab
 from relaycli.io.requests import RequestRow, ResultRow
@@ -73,7 +74,7 @@ class Engine:
         # a module library's rows past its system prompt are modules (relaycli.engine.module_prefixes)
         self.runner = ModelRunner(loaded, [PrefixKV([k[:len(a.token_ids)] for k in a.keys],
                                                     [v[:len(a.token_ids)] for v in a.values])
-                                           for a in self.artifacts], self.config)
+                                           for a in self.artifacts], self.config, path_tokens(self.artifacts))
         self.modules = ModulePrefixes(self.artifacts, self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
@@ -138,7 +139,10 @@ class Engine:
         """Queue a request, or return its error row when it can never run."""
         slot, first_position = req.prefix_slot, None
         if req.module_pick is not None:
-            slot, first_position = self.modules.slot(req.module_pick), req.module_pick.next_position
+            try:
+                slot, first_position = self.modules.slot(req.module_pick), req.module_pick.next_position
+            except ConfigError as exc:
+                return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: {exc}", req.url)
         prefix_len = 0 if slot is None else self.runner.prefixes[slot].num_tokens
         end = (prefix_len if first_position is None else first_position) + len(req.own_ids)  # positions
         if end >= self.max_context:
@@ -225,10 +229,16 @@ class Engine:
         t0 = time.perf_counter()
         finished: list[ResultRow] = []
         read = None  # the step read back here: this call's time is mostly waiting for it
-        if self._pending is not None and any(s.matcher is not None for s in self._pending.seqs):
-            # A constrained row's next mask depends on the token still being computed: read it first.
-            finished += self._read_back(self._pending)
-            read, self._pending = self._pending, None
+
+        def read_pending() -> None:
+            # A constrained row's next mask depends on the token still being computed: the
+            # runner calls this between the next step's forward and its masks.
+            nonlocal read
+            if self._pending is not None:
+                finished.extend(self._read_back(self._pending))
+                read, self._pending = self._pending, None
+
+        constrained = self._pending is not None and any(s.matcher is not None for s in self._pending.seqs)
         seqs, is_prefill = self.scheduler.schedule() if self.scheduler.num_unfinished else ([], False)
         self.stats.preemptions = self.scheduler.num_preemptions
         if not seqs and self._pending is None:
@@ -237,7 +247,7 @@ class Engine:
             raise RuntimeError("scheduler found nothing to run with sequences pending")
         launched = None
         if seqs:
-            launched = self.runner.launch(seqs, is_prefill, self._pending)
+            launched = self.runner.launch(seqs, is_prefill, self._pending, read_pending if constrained else None)
             for seq in seqs:
                 if seq.num_completion_tokens >= seq.sampling.max_tokens or seq.position_end >= self.max_context:
                     seq.finish_reason = "length"  # unless its last token turns out to stop it first

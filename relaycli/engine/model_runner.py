@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -62,7 +63,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, prefixes: list[PrefixKV], config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, prefixes: list[PrefixKV], config: EngineConfig,
+                 later_tokens: int = 0) -> None:
+        """prefixes: the shared prefixes loaded now; later_tokens: how many prefix tokens
+        add_prefix may bring while the engine runs (module paths), kept free beside the cache."""
         self.model = loaded.model
         self.mc = loaded.config
         self.device = loaded.model.device
@@ -78,10 +82,18 @@ class ModelRunner:
         # The prompts' KV goes to the device first, so the cache's budget is what is left.
         prefixes = self._on_device(prefixes)
         # Several prefixes are then copied into one store (kernels/metadata.py LayerPrefixes)
-        # while these copies are alive: the cache leaves room for that copy too.
+        # while these copies are alive, with room for the prefixes added later: the cache
+        # leaves room for that store too. Later prefixes take at most a third of the free
+        # memory up front; more grow the store when they come.
         store = impl == "triton"
-        copy_bytes = sum(t.nbytes for p in prefixes for t in (*p.keys, *p.values)) if store and len(prefixes) > 1 else 0
-        self.num_blocks = self._num_blocks(config, copy_bytes)
+        now_tokens = sum(p.num_tokens for p in prefixes)
+        per_token = self.bytes_per_block() // self.block_size
+        store_tokens = 0
+        if store and later_tokens:
+            room = int(self._free_bytes() / 3 // per_token) if self.device.type == "cuda" else later_tokens
+            store_tokens = now_tokens + min(later_tokens, room)
+        copy_tokens = max(store_tokens, now_tokens if store and len(prefixes) > 1 else 0)
+        self.num_blocks = self._num_blocks(config, copy_tokens * per_token)
         # One more block than the block manager hands out: a scratch block that padded
         # rows of a graphed decode step write to.
         shape = (self.num_blocks + 1, self.block_size, self.mc.num_key_value_heads, self.mc.head_dim)
@@ -99,7 +111,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.k_caches, self.v_caches,
                                         [(p.keys, p.values) for p in prefixes],
                                         "relay" if config.relay else "no-relay", impl,
-                                        self.mc.head_dim ** -0.5, store=store)
+                                        self.mc.head_dim ** -0.5, store=store, store_tokens=store_tokens)
         layers = self.attention.prefix_layers
         self.prefixes = [PrefixKV([layer[i][0] for layer in layers], [layer[i][1] for layer in layers])
                          for i in range(len(prefixes))]
@@ -113,18 +125,25 @@ class ModelRunner:
     def add_prefix(self, prefix: PrefixKV) -> int:
         """Load one more shared prefix while the engine runs (a prompt-module path); its slot.
 
-        Where the prefixes live in one store (Triton), the store is rebuilt, and captured
-        decode graphs, which name the old store, are dropped to be captured again."""
-        moved = self._on_device([prefix])[0]
-        pairs = list(zip(moved.keys, moved.values))
+        Where the prefixes live in one store (Triton), the prefix goes to the store's free
+        rows, or a larger store is made; captured decode graphs, whose plans know the loaded
+        prefixes, are dropped to be captured again. ConfigError where the device's memory
+        cannot hold it."""
         layers = self.attention.prefix_layers
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old store
-        for i, pair in enumerate(pairs):
-            if self.attention_impl == "triton":
-                layers[i] = LayerPrefixes.stored(list(layers[i]) + [pair])
-            else:
-                layers[i].append(pair)
+        try:
+            pairs = [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+                     for k, v in zip(prefix.keys, prefix.values)]
+            grown = [layers[i].appended(pair) if self.attention_impl == "triton" else LayerPrefixes([*layers[i], pair])
+                     for i, pair in enumerate(pairs)]
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            if "out of memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                raise
+            gib = prefix.num_tokens * self.bytes_per_block() / self.block_size / 1024**3
+            raise ConfigError(f"a shared prefix of {prefix.num_tokens} tokens ({gib:.1f} GiB) does not fit beside "
+                             f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
+        layers[:] = grown
         self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])
                             for s in range(len(layers[0]))]
         if self.graphs is not None:
@@ -239,13 +258,17 @@ class ModelRunner:
         return torch.where(to_device(from_prev, torch.bool, dev), prev.tokens[src], host_ids)
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: "StepHandle | None" = None) -> "StepHandle":
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: "StepHandle | None" = None,
+               before_sampling: Callable[[], None] | None = None) -> "StepHandle":
         """Queue one forward step and its sampling on the device and return at once.
 
         Each sequence gets a placeholder token at the end of its output_ids (so its
         length, positions and KV slots are right for the next step); StepHandle.tokens_list()
         gives the real ids once the device is done. prev: the step launched just before,
         not yet read back, whose tokens this step's decode inputs may be.
+        before_sampling: called once the forward is queued and before the grammar masks are
+        made: where the caller reads prev back, so constrained rows' matchers take prev's
+        tokens while the device computes this step.
         """
         decode_ids = None
         key = eager_reason = None
@@ -271,6 +294,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_rows])
             if len(computed) < len(seqs):
                 logits = self._fork(seqs, computed, logits)
+        if before_sampling is not None:
+            before_sampling()
         masked = [b for b, s in enumerate(seqs) if s.matcher is not None]
         if masked:  # constrained rows: their grammar's mask
             logits = apply_masks(logits, [s.matcher for s in seqs])

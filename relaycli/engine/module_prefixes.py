@@ -16,6 +16,20 @@ from relaycli.module_rows import Library, ModulePick
 from relaycli.prompts import PreparedPrompt, PromptError, PromptMatcher
 
 
+def path_tokens(artifacts: list) -> int:
+    """Prefix tokens the libraries' paths take when every module's own path is loaded (the
+    system prompt and the module's chain of parents, then the module): room the engine keeps
+    for the paths it builds while it runs. Rows of an independent library may combine
+    modules into more paths than this counts; those grow the room when they come."""
+    total = 0
+    for art in artifacts:
+        if getattr(art, "is_library", False):
+            lengths = {seg["name"]: seg["end"] - seg["start"] for seg in art.meta["segments"]}
+            total += sum(sum(lengths[a] for a in seg["after"]) + lengths[seg["name"]]
+                         for seg in art.meta["segments"][1:])
+    return total
+
+
 class ModulePrefixes:
     def __init__(self, artifacts: list, runner: ModelRunner) -> None:
         self.artifacts, self.runner = artifacts, runner
@@ -69,7 +83,8 @@ class ModulePrefixes:
         return prepared, lib.pick(tokenizer, row.modules)
 
     def slot(self, pick: ModulePick) -> int:
-        """The loaded prefix of a path, built on its first use (on the engine's thread)."""
+        """The loaded prefix of a path, built on its first use (on the engine's thread);
+        ConfigError where the device cannot hold it."""
         key = (pick.library, pick.path)
         if key not in self.slots:
             art = self.artifacts[pick.library]
