@@ -10,8 +10,15 @@ CUDA machine: the numbers docs/benchmarks.md quotes for the product path.
             their own, 2,000 rows of 32 prompt and 64 generated tokens; relay and --no-relay
   cold      the examples job with an empty Triton cache, relay and --no-relay (the first
             run on a machine: what it compiles)
+  modules   a prompt-module library (docs/modules.md) on dummy:llama3-8b and dummy:llama2-7b:
+            a 1,024-token system and 16 documents as root modules (2,048-4,096 tokens;
+            1,536-2,432 on llama2-7b, whose positions end at 4,096), 1,000 rows each naming
+            one document with a 32-128-token question and a 64-256-token answer (ignore_eos);
+            relay and --no-relay, and what the median decode step's time says about the
+            bytes it read
 
-Usage: python scripts/device_jobs.py [examples] [mixed] [cold]; results in $OUT/jobs.json.
+Usage: python scripts/device_jobs.py [examples] [mixed] [cold] [modules]; results in
+$OUT/jobs.json.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", "out"))
@@ -130,6 +138,62 @@ def mixed(work: Path) -> list[dict]:
             run_job("mixed-llama3-no-relay", work, jobs, kvs, *common, "--no-relay")]
 
 
+def modules_library(work: Path, words: list[str], doc_tokens: tuple[int, int], rng: random.Random) -> Path:
+    """A PML library: a 1,024-token system and 16 root documents (the default tokenizer
+    makes about 0.68 words a token of this text)."""
+    def text(n_tokens: int, start: int) -> str:
+        return escape(" ".join(words[(start + j) % len(words)] for j in range(int(0.68 * n_tokens))))
+    docs = [f'  <module name="doc{i}">Document {i}. {text(rng.randint(*doc_tokens), 131 * i + 7)}</module>'
+            for i in range(16)]
+    path = work / f"library-{doc_tokens[1]}.pml"
+    path.write_text(f'<schema name="docs" mode="exact">\n  <system>{text(1024, 0)}</system>\n'
+                    + "\n".join(docs) + "\n</schema>\n")
+    return path
+
+
+def modules(work: Path) -> list[dict]:
+    from relaycli.bench.roofline import ModelShape
+    from relaycli.models.dummy import PRESETS
+
+    words = (ROOT / "examples/system_prompt.txt").read_text().split()
+    results = []
+    for preset, doc_tokens in (("llama3-8b", (2048, 4096)), ("llama2-7b", (1536, 2432))):
+        rng = random.Random(0)
+        library = modules_library(work, words, doc_tokens, rng)
+        kv = work / f"library-{preset}.relaykv"
+        model = ("--model", f"dummy:{preset}", "--dtype", "bfloat16")
+        took, _ = relay("compile-prompt", library, "--out", kv, *model, "--quiet")
+        _, res = relay("inspect", kv, "--json")
+        meta = json.loads(res.stdout)
+        print(json.dumps({"compile": preset, "seconds": round(took, 1)}), flush=True)
+        rows = [{"id": str(i), "modules": [f"doc{rng.randrange(16)}"], "max_tokens": rng.randint(64, 256),
+                 "prompt": " ".join(rng.choice(words) for _ in range(int(0.68 * rng.randint(32, 128)))),
+                 "ignore_eos": True, "temperature": 0} for i in range(1000)]
+        jobs = write_jsonl(work / f"modules-{preset}.jsonl", rows)
+        common = (*model, "--max-batch", 256)
+        pair = [run_job(f"modules-{preset}", work, jobs, [kv], *common),
+                run_job(f"modules-{preset}-no-relay", work, jobs, [kv], *common, "--no-relay")]
+        # Bytes a full-batch decode step reads when every segment in the batch is read once
+        # for all its rows, and when each row reads its own system and document.
+        shape = ModelShape.from_config(type("C", (), PRESETS[preset])(), 2)
+        seg_tokens = [seg["end"] - seg["start"] for seg in meta["segments"]]
+        system, docs = seg_tokens[0], seg_tokens[1:]
+        own = 80 + 160 / 2  # a row's own tokens in the middle of its answer, on average
+        batch, doc_mean = 256, sum(docs) / len(docs)
+        once = shape.weight_bytes + shape.kv_bytes_per_token * (system + sum(docs) + batch * own)
+        per_row = shape.weight_bytes + shape.kv_bytes_per_token * batch * (system + doc_mean + own)
+        for row in pair:
+            step = row["decode_step_p50_ms"] / 1e3
+            row.update(segment_tokens=seg_tokens, bytes_segments_once_gb=round(once / 1e9, 1),
+                       bytes_per_row_gb=round(per_row / 1e9, 1),
+                       tb_per_s_if_once=round(once / step / 1e12, 2) if step else None,
+                       tb_per_s_if_per_row=round(per_row / step / 1e12, 2) if step else None)
+        pair[0]["relay_over_no_relay"] = round(pair[0]["rows_per_second"] / pair[1]["rows_per_second"], 2)
+        print(json.dumps(pair[0]), flush=True)
+        results += pair
+    return results
+
+
 def main() -> None:
     parts = sys.argv[1:] or ["examples", "mixed"]
     OUT.mkdir(parents=True, exist_ok=True)
@@ -143,8 +207,10 @@ def main() -> None:
                 results += mixed(work)
             elif part == "cold":
                 results += examples(work, cold=True)
+            elif part == "modules":
+                results += modules(work)
             else:
-                raise SystemExit(f"unknown part {part} (examples|mixed|cold)")
+                raise SystemExit(f"unknown part {part} (examples|mixed|cold|modules)")
             (OUT / "jobs.json").write_text(json.dumps(results, indent=1))
 
 
