@@ -532,3 +532,25 @@ def test_bench_through_run_refuses_bad_options(tmp_path):
     for extra, message in cases:
         res = CliRunner().invoke(app, ["bench", "e2e", "--model", "dummy:tiny", "--device", "cpu", *extra])
         assert res.exit_code == 2 and message in res.output, (extra, res.output)
+
+
+def test_bench_jobs_refuses_an_unknown_part_before_any_work(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "jobs", "nope", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown part 'nope'" in result.output and "modules" in result.output
+    assert not (tmp_path / "jobs.json").exists()
+
+
+def test_the_modules_job_library_has_its_documented_shape(default_model, tmp_path):
+    import random
+
+    from relaycli.bench.jobs import ROOT, modules_library
+    from relaycli.modules import parse_schema
+    words = (ROOT / "examples/system_prompt.txt").read_text().split()
+    path = modules_library(tmp_path, words, (2048, 4096), random.Random(0))
+    schema = parse_schema(path.read_text(), path)
+    assert len(schema.modules) == 16 and all(m.after is None for m in schema.modules)
+    tok = default_model.tokenizer
+    system = len(tok.encode(schema.system_text))
+    docs = [len(tok.encode(m.pieces[0])) for m in schema.modules]
+    assert 900 <= system <= 1150, system
+    assert all(1800 <= n <= 4600 for n in docs), docs

@@ -7,6 +7,7 @@
     relay bench volume [...]    rows/s and peak memory of `relay run` as the row count grows
     relay bench soak [...]      a job stopped and resumed again and again; outputs as uninterrupted
     relay bench modules [...]   prompt modules: TTFT against full prefill, independent agreement
+    relay bench jobs [PART ...] whole `relay run` jobs on a CUDA machine (relaycli/bench/jobs.py)
 
 Options left out take defaults that depend on the device (small on CPU).
 """
@@ -389,3 +390,20 @@ def modules_cmd(
         _out().print(json.dumps(report, indent=2), highlight=False)
         if json_path is not None:
             write_json(json_path, report)
+
+
+@bench_app.command("jobs")
+def jobs_cmd(
+    parts: Optional[list[str]] = typer.Argument(None, help="examples | mixed | cold | modules (default: examples mixed)."),
+    out: Path = typer.Option(Path("out"), "--out", help="Folder for jobs.json."),
+) -> None:
+    """Whole `relay run` jobs through the CLI, each in its own process, relay against
+    --no-relay (relaycli/bench/jobs.py says what each part runs); from a checkout."""
+    import json
+
+    from relaycli.bench.jobs import run_parts
+    try:
+        run_parts(parts or ["examples", "mixed"], out, lambda row: _out().print(json.dumps(row), highlight=False))
+    except ValueError as exc:
+        _err.print(f"error: {escape(str(exc))}")
+        raise typer.Exit(2) from None

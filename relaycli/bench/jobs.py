@@ -1,5 +1,6 @@
 """Whole `relay run` jobs as a user runs them (the CLI on a JSONL file, whole process), on a
-CUDA machine: the numbers docs/benchmarks.md quotes for the product path.
+CUDA machine: the numbers docs/benchmarks.md quotes for the product path. The inputs come
+from the repository's examples/, so these run from a checkout.
 
   examples  the default model on examples/requests.jsonl cycled to 2,000 rows, 64 tokens a
             row, against examples/system_prompt.txt: relay as the file is (two of its 120
@@ -17,8 +18,7 @@ CUDA machine: the numbers docs/benchmarks.md quotes for the product path.
             relay and --no-relay, and what the median decode step's time says about the
             bytes it read
 
-Usage: python scripts/device_jobs.py [examples] [mixed] [cold] [modules]; results in
-$OUT/jobs.json.
+`relay bench jobs [PART ...] --out DIR` (default: examples mixed) writes DIR/jobs.json.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = Path(os.environ.get("OUT", "out"))
+ROOT = Path(__file__).resolve().parents[2]
+PARTS = ("examples", "mixed", "cold", "modules")
+Say = Callable[[dict], None]  # where a finished job's row goes (the CLI prints it)
 RELAY = [sys.executable, "-c", "from relaycli.cli import entry; entry()"]
 
 
@@ -54,7 +56,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def run_job(name: str, work: Path, rows: Path, prompts: list[Path], *extra, env=None) -> dict:
+def run_job(say: Say, name: str, work: Path, rows: Path, prompts: list[Path], *extra, env=None) -> dict:
     stats = work / f"{name}.stats.json"
     out = work / f"{name}.parquet"
     args = ["run", "--in", rows, "--out", out, "--stats-json", stats, "--quiet"]
@@ -73,11 +75,11 @@ def run_job(name: str, work: Path, rows: Path, prompts: list[Path], *extra, env=
            "load_seconds": round(s["load_seconds"], 2), "triton_kernels_compiled": s["triton_kernels_compiled"],
            "triton_compile_seconds": round(s["triton_compile_seconds"], 1),
            "graph_captures": s["graph_captures"], "graph_capture_seconds": round(s["graph_capture_seconds"], 1)}
-    print(json.dumps(row), flush=True)
+    say(row)
     return row
 
 
-def examples(work: Path, cold: bool = False) -> list[dict]:
+def examples(work: Path, say: Say, cold: bool = False) -> list[dict]:
     base = [json.loads(line) for line in (ROOT / "examples/requests.jsonl").read_text().splitlines() if line.strip()]
     cycled = [dict(r, id=f"{r.get('id', i)}-{k}") for k in range(17) for i, r in enumerate(base)][:2000]
     plain = [r for r in base if not any(m.get("role") == "system" for m in r.get("messages", []))]
@@ -93,21 +95,21 @@ def examples(work: Path, cold: bool = False) -> list[dict]:
         rows = []
         for mode, flags in (("", ()), ("-no-relay", ("--no-relay",))):
             fresh = work / f"triton{mode}"
-            rows.append(run_job(f"examples{mode}-cold", work, as_is, [sys_kv], *common, *flags,
+            rows.append(run_job(say, f"examples{mode}-cold", work, as_is, [sys_kv], *common, *flags,
                                 env=dict(os.environ, TRITON_CACHE_DIR=str(fresh))))
             shutil.copytree(fresh, default, dirs_exist_ok=True)
         return rows
-    rows = [run_job("examples", work, as_is, [sys_kv], *common),
-            run_job("examples-no-relay", work, as_is, [sys_kv], *common, "--no-relay")]
-    rows.append(run_job("examples-plain", work, no_own, [sys_kv], *common))
+    rows = [run_job(say, "examples", work, as_is, [sys_kv], *common),
+            run_job(say, "examples-no-relay", work, as_is, [sys_kv], *common, "--no-relay")]
+    rows.append(run_job(say, "examples-plain", work, no_own, [sys_kv], *common))
     seconds, _ = relay("run", "--in", ROOT / "examples/requests.jsonl", "--out", work / "answers.parquet",
                        "--prompt", sys_kv, "--max-tokens", 64, "--stats-json", work / "readme.json", "--quiet")
     rows.append({"job": "readme-main-job", "process_seconds": round(seconds, 2)})
-    print(json.dumps(rows[-1]), flush=True)
+    say(rows[-1])
     return rows
 
 
-def mixed(work: Path) -> list[dict]:
+def mixed(work: Path, say: Say) -> list[dict]:
     rng = random.Random(0)
     words = (ROOT / "examples/system_prompt.txt").read_text().split()
     prompts = []
@@ -119,7 +121,7 @@ def mixed(work: Path) -> list[dict]:
         prompts.append(path)
     model = ("--model", "dummy:llama3-8b", "--dtype", "bfloat16")
     took, _ = relay("compile-prompt", *prompts, *model, "--quiet")
-    print(json.dumps({"compile_8_prompts_seconds": round(took, 1)}), flush=True)
+    say({"compile_8_prompts_seconds": round(took, 1)})
     rows = []
     for i in range(2000):
         row = {"id": str(i), "prompt": " ".join(rng.choice(words) for _ in range(24)), "max_tokens": 64,
@@ -134,8 +136,8 @@ def mixed(work: Path) -> list[dict]:
     jobs = write_jsonl(work / "mixed.jsonl", rows)
     kvs = [p.with_suffix(".relaykv") for p in prompts]
     common = (*model, "--max-batch", 256)
-    return [run_job("mixed-llama3", work, jobs, kvs, *common),
-            run_job("mixed-llama3-no-relay", work, jobs, kvs, *common, "--no-relay")]
+    return [run_job(say, "mixed-llama3", work, jobs, kvs, *common),
+            run_job(say, "mixed-llama3-no-relay", work, jobs, kvs, *common, "--no-relay")]
 
 
 def modules_library(work: Path, words: list[str], doc_tokens: tuple[int, int], rng: random.Random) -> Path:
@@ -151,7 +153,7 @@ def modules_library(work: Path, words: list[str], doc_tokens: tuple[int, int], r
     return path
 
 
-def modules(work: Path) -> list[dict]:
+def modules(work: Path, say: Say) -> list[dict]:
     from relaycli.bench.roofline import ModelShape
     from relaycli.models.dummy import PRESETS
 
@@ -165,14 +167,14 @@ def modules(work: Path) -> list[dict]:
         took, _ = relay("compile-prompt", library, "--out", kv, *model, "--quiet")
         _, res = relay("inspect", kv, "--json")
         meta = json.loads(res.stdout)
-        print(json.dumps({"compile": preset, "seconds": round(took, 1)}), flush=True)
+        say({"compile": preset, "seconds": round(took, 1)})
         rows = [{"id": str(i), "modules": [f"doc{rng.randrange(16)}"], "max_tokens": rng.randint(64, 256),
                  "prompt": " ".join(rng.choice(words) for _ in range(int(0.68 * rng.randint(32, 128)))),
                  "ignore_eos": True, "temperature": 0} for i in range(1000)]
         jobs = write_jsonl(work / f"modules-{preset}.jsonl", rows)
         common = (*model, "--max-batch", 256)
-        pair = [run_job(f"modules-{preset}", work, jobs, [kv], *common),
-                run_job(f"modules-{preset}-no-relay", work, jobs, [kv], *common, "--no-relay")]
+        pair = [run_job(say, f"modules-{preset}", work, jobs, [kv], *common),
+                run_job(say, f"modules-{preset}-no-relay", work, jobs, [kv], *common, "--no-relay")]
         # Bytes a full-batch decode step reads when every segment in the batch is read once
         # for all its rows, and when each row reads its own system and document.
         shape = ModelShape.from_config(type("C", (), PRESETS[preset])(), 2)
@@ -189,30 +191,25 @@ def modules(work: Path) -> list[dict]:
                        tb_per_s_if_once=round(once / step / 1e12, 2) if step else None,
                        tb_per_s_if_per_row=round(per_row / step / 1e12, 2) if step else None)
         pair[0]["relay_over_no_relay"] = round(pair[0]["rows_per_second"] / pair[1]["rows_per_second"], 2)
-        print(json.dumps(pair[0]), flush=True)
+        say(pair[0])
         results += pair
     return results
 
 
-def main() -> None:
-    parts = sys.argv[1:] or ["examples", "mixed"]
-    OUT.mkdir(parents=True, exist_ok=True)
+def run_parts(parts: list[str], out: Path, say: Say) -> list[dict]:
+    """Run the parts in order, each job's row given to say as it ends; out/jobs.json holds
+    them all, rewritten after each part."""
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown part {unknown[0]!r}; the parts are {', '.join(PARTS)}")
+    if not (ROOT / "examples/system_prompt.txt").is_file():
+        raise ValueError("relay bench jobs reads the repository's examples/; run it from a checkout")
+    out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for part in parts:
-            if part == "examples":
-                results += examples(work)
-            elif part == "mixed":
-                results += mixed(work)
-            elif part == "cold":
-                results += examples(work, cold=True)
-            elif part == "modules":
-                results += modules(work)
-            else:
-                raise SystemExit(f"unknown part {part} (examples|mixed|cold|modules)")
-            (OUT / "jobs.json").write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+            results += {"examples": examples, "mixed": mixed, "modules": modules,
+                        "cold": lambda w, s: examples(w, s, cold=True)}[part](work, say)
+            (out / "jobs.json").write_text(json.dumps(results, indent=1))
+    return results
