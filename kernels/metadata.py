@@ -67,13 +67,25 @@ class LayerPrefixes(list):
             layer._write(pair)
         return layer
 
-    def appended(self, pair: tuple[torch.Tensor, torch.Tensor]) -> "LayerPrefixes":
-        """These prefixes and one more: written into the store's free rows where they
-        suffice (the store, and so any graph that names it, stays), else a larger store."""
-        if self.store is None or self.used + pair[0].shape[0] > self.store[0].shape[0]:
-            return LayerPrefixes.stored(list(self) + [pair])
-        layer = LayerPrefixes(list(self), self.store, self.used)
-        layer._write(pair)
+    def appended(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> "LayerPrefixes":
+        """These prefixes and one more, made of consecutive pieces (k, v) that may sit on
+        another device or in another dtype (a module path's parts, read from its artifact):
+        copied straight into the store's free rows where they suffice (the store, and so any
+        graph that names it, stays), else into a larger store."""
+        rows = sum(k.shape[0] for k, _ in pieces)
+        if self.store is None or self.used + rows > self.store[0].shape[0]:
+            like = self.store[0] if self.store is not None else self[0][0]
+            k = torch.cat([k.to(like.device, like.dtype) for k, _ in pieces])
+            v = torch.cat([v.to(like.device, like.dtype) for _, v in pieces])
+            return LayerPrefixes.stored(list(self) + [(k, v)])
+        (k_store, v_store), start = self.store, self.used
+        at = start
+        for k, v in pieces:
+            k_store[at:at + k.shape[0]].copy_(k)
+            v_store[at:at + k.shape[0]].copy_(v)
+            at += k.shape[0]
+        layer = LayerPrefixes(list(self), self.store, at)
+        layer.append((k_store[start:at], v_store[start:at]))
         return layer
 
     def _write(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:

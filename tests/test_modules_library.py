@@ -275,18 +275,20 @@ def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
 
 
 def test_the_prefix_store_takes_later_paths_in_its_room_and_grows_past_it():
-    def pair(n, fill):
-        return torch.full((n, 2, 4), float(fill)), torch.full((n, 2, 4), -float(fill))
-    layer = LayerPrefixes.stored([pair(3, 1)], capacity=8)
+    def pair(n, fill, dtype=torch.float32):
+        return torch.full((n, 2, 4), float(fill), dtype=dtype), torch.full((n, 2, 4), -float(fill), dtype=dtype)
+    layer = LayerPrefixes.stored([pair(3, 1)], capacity=10)
     store = layer.store[0]
-    assert store.shape[0] == 8 and layer.used == 3 and len(layer) == 1
-    layer = layer.appended(pair(4, 2))
-    assert layer.store[0] is store and layer.used == 7  # written in place: graphs that name it stay valid
-    assert [k.shape[0] for k, _ in layer] == [3, 4]
-    assert torch.equal(layer[1][0], torch.full((4, 2, 4), 2.0)) and torch.equal(layer[1][1], torch.full((4, 2, 4), -2.0))
+    assert store.shape[0] == 10 and layer.used == 3 and len(layer) == 1
+    # a path of two pieces in another dtype (an artifact's rows): one slot, written in place,
+    # so graphs that name the store stay valid
+    layer = layer.appended([pair(2, 2, torch.float16), pair(2, 4, torch.float16)])
+    assert layer.store[0] is store and layer.used == 7
+    assert [k.shape[0] for k, _ in layer] == [3, 4] and layer[1][0].dtype == torch.float32
+    assert layer[1][0][:, 0, 0].tolist() == [2, 2, 4, 4] and layer[1][1][:, 0, 0].tolist() == [-2, -2, -4, -4]
     assert layer[0][0].data_ptr() == store.data_ptr() and torch.all(store[7:] == 0)
-    grown = layer.appended(pair(2, 3))  # past the room: one new store holding all three
-    assert grown.store[0] is not store and grown.used == 9 and grown.store[0].shape[0] == 9
+    grown = layer.appended([pair(4, 3)])  # past the room: one new store holding all three
+    assert grown.store[0] is not store and grown.used == 11 and grown.store[0].shape[0] == 11
     assert [float(k[0, 0, 0]) for k, _ in grown] == [1.0, 2.0, 3.0]
     assert [k.shape[0] for k, _ in layer] == [3, 4]  # the old list is left as it was
 

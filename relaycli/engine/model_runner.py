@@ -122,26 +122,33 @@ class ModelRunner:
             from relaycli.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self, config.max_num_seqs, scratch_block=self.num_blocks)
 
-    def add_prefix(self, prefix: PrefixKV) -> int:
-        """Load one more shared prefix while the engine runs (a prompt-module path); its slot.
+    def add_prefix(self, pieces: list[PrefixKV]) -> int:
+        """Load one more shared prefix while the engine runs (a prompt-module path), given
+        as consecutive pieces (views of an artifact's rows, on the host); its slot.
 
-        Where the prefixes live in one store (Triton), the prefix goes to the store's free
-        rows, or a larger store is made; captured decode graphs, whose plans know the loaded
-        prefixes, are dropped to be captured again. ConfigError where the device's memory
-        cannot hold it."""
+        Where the prefixes live in one store (Triton), the pieces are copied straight into
+        the store's free rows, or a larger store is made; captured decode graphs, whose
+        plans know the loaded prefixes, are dropped to be captured again. ConfigError where
+        the device's memory cannot hold it."""
         layers = self.attention.prefix_layers
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old store
         try:
-            pairs = [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-                     for k, v in zip(prefix.keys, prefix.values)]
-            grown = [layers[i].appended(pair) if self.attention_impl == "triton" else LayerPrefixes([*layers[i], pair])
-                     for i, pair in enumerate(pairs)]
+            grown = []
+            for i, layer in enumerate(layers):
+                parts = [(p.keys[i], p.values[i]) for p in pieces]
+                if self.attention_impl == "triton":
+                    grown.append(layer.appended(parts))
+                else:
+                    k = torch.cat([k.to(self.device, self.dtype) for k, _ in parts])
+                    v = torch.cat([v.to(self.device, self.dtype) for _, v in parts])
+                    grown.append(LayerPrefixes([*layer, (k, v)]))
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
             if "out of memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
                 raise
-            gib = prefix.num_tokens * self.bytes_per_block() / self.block_size / 1024**3
-            raise ConfigError(f"a shared prefix of {prefix.num_tokens} tokens ({gib:.1f} GiB) does not fit beside "
+            tokens = sum(p.num_tokens for p in pieces)
+            gib = tokens * self.bytes_per_block() / self.block_size / 1024**3
+            raise ConfigError(f"a shared prefix of {tokens} tokens ({gib:.1f} GiB) does not fit beside "
                              f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
         layers[:] = grown
         self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])

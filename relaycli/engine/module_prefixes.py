@@ -8,8 +8,6 @@ all of them, by the same machinery as several `--prompt` artifacts.
 
 from __future__ import annotations
 
-import torch
-
 from relaycli.engine.model_runner import ModelRunner, PrefixKV
 from relaycli.io.requests import RequestRow
 from relaycli.module_rows import Library, ModulePick
@@ -89,8 +87,7 @@ class ModulePrefixes:
         if key not in self.slots:
             art = self.artifacts[pick.library]
             rows = next(lib for lib in self.libraries if lib.slot == pick.library).rows(pick.path)
-            keys = [torch.cat([k[a:b] for a, b in rows]) for k in art.keys]
-            values = [torch.cat([v[a:b] for a, b in rows]) for v in art.values]
-            self.slots[key] = self.runner.add_prefix(PrefixKV(keys, values))
+            pieces = [PrefixKV([k[a:b] for k in art.keys], [v[a:b] for v in art.values]) for a, b in rows]
+            self.slots[key] = self.runner.add_prefix(pieces)
             self.built += 1
         return self.slots[key]
