@@ -86,6 +86,16 @@ def test_engine_stats_stay_bounded_and_keep_as_dicts_keys():
     assert list(logged.as_dict()) == AS_DICT_KEYS
 
 
+def test_a_job_that_has_ended_keeps_its_elapsed_time():
+    # a --devices job ends when its answers are written; its workers' exit comes after
+    stats = EngineStats()
+    stats.rows, stats.completion_tokens = 10, 40
+    stats.started, stats.ended = 100.0, 104.0
+    d = stats.as_dict()
+    assert d["elapsed_seconds"] == 4.0 and d["rows_per_second"] == 2.5 and d["generated_tokens_per_second"] == 10.0
+    assert "ended" not in d and "started" not in d
+
+
 def test_a_long_job_touches_only_the_kv_blocks_it_holds_at_once():
     """On the CPU a block's pages are mapped when first written: handing out the blocks
     freed last keeps a job of any length inside the blocks it ever holds at once."""

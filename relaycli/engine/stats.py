@@ -104,6 +104,7 @@ class EngineStats:
     decode_step_log: list[tuple[int, int, float]] | None = field(default=None, repr=False)
     prefill_step_log: list[tuple[int, int, float]] | None = field(default=None, repr=False)
     started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None  # set where the job's end comes before its statistics are read
 
     def __post_init__(self) -> None:
         if self.keep_logs:
@@ -152,20 +153,24 @@ class EngineStats:
     def decode_step_p50(self) -> float | None:
         return self.decode_step.quantile(0.5)
 
+    def elapsed(self) -> float:
+        """Seconds from started to ended, or to now while the job runs."""
+        return (time.perf_counter() if self.ended is None else self.ended) - self.started
+
     def generated_tokens_per_second(self) -> float:
         """Cheap enough to call after every row."""
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.elapsed()
         return self.completion_tokens / elapsed if elapsed > 0 else 0.0
 
     def as_dict(self) -> dict:
-        skip = ("started", "keep_logs", "ttft", "decode_step", "ttft_seconds", "decode_step_log", "prefill_step_log")
+        skip = ("started", "ended", "keep_logs", "ttft", "decode_step", "ttft_seconds", "decode_step_log", "prefill_step_log")
         d = {k: v for k, v in self.__dict__.items() if k not in skip}
         d["ttft_mean_seconds"] = self.ttft.mean()
         d["ttft_p50_seconds"] = self.ttft.quantile(0.5)
         d["ttft_p90_seconds"] = self.ttft.quantile(0.9)
         d["decode_step_mean_seconds"] = self.decode_seconds / self.decode_steps if self.decode_steps else None
         d["decode_step_p50_seconds"] = self.decode_step_p50()
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.elapsed()
         d["elapsed_seconds"] = elapsed
         d["generated_tokens_per_second"] = self.generated_tokens_per_second()
         d["rows_per_second"] = self.rows / elapsed if elapsed > 0 else 0.0

@@ -70,6 +70,7 @@ def run_parallel_job(opts: JobOptions, on_start: Callable[[int, int], None] | No
                     stats.add_counters(report["stats"])
         summary.workers = pool.reports()
         writer.finalize(source.num_rows)
+        stats.ended = time.perf_counter()  # the workers' exit (pool.close) is no part of the job
         summary.error_rows = writer.error_rows
     finally:
         try:

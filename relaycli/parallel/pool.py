@@ -223,12 +223,13 @@ class WorkerPool:
                     if w.state == "ready":
                         self._stop(w, f"it did not finish within {self.stall_seconds:g} s of the job's end (hung)")
                         w.state, w.cause = "stopped", w.stopped_because()
+
+    def close(self) -> None:
+        """Let the workers that finished exit, stop any still running (the job ended
+        early), and release the pipes."""
         for w in self.workers:
             if w.state == "done":
                 w.process.join(timeout=30)
-
-    def close(self) -> None:
-        """Stop every worker still running (the job ended early) and release the pipes."""
         for w in self.workers:
             if w.process.is_alive():
                 w.process.terminate()
