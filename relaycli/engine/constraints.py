@@ -124,9 +124,6 @@ class RowMatcher:
     def __init__(self, matcher, batch) -> None:
         self._m, self._batch = matcher, batch
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
-
     @staticmethod
     def fill_all(matchers: list[RowMatcher], bitmask: torch.Tensor) -> None:
         """Row i of bitmask from matchers[i], the rows filled in parallel (one step's masks)."""

@@ -23,9 +23,9 @@ from relaycli.engine.module_prefixes import ModulePrefixes, path_tokens
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.engine.stats import EngineStats
-from relaycli.errors import ConfigError
 from relaycli.engine.stops import StopWatch
 from relaycli.engine.vocab import Vocab
+from relaycli.errors import ConfigError
 from relaycli.io.requests import RequestRow, ResultRow
 from relaycli.module_rows import ModulePick
 from relaycli.prompts import PromptError, PromptMatcher
@@ -224,7 +224,9 @@ class Engine:
         A prefill is read back the same way: the decode step after it takes the prefill's
         tokens from the device, so the device does not wait for the host between the two
         (docs/kernels.md has what that wait costs), and the
-        rows' first tokens are read right after that decode is launched.
+        rows' first tokens are read right after that decode is launched. Where the step
+        read back holds constrained rows, it is read between the next step's forward and
+        that step's masks, which need its tokens.
         """
         t0 = time.perf_counter()
         finished: list[ResultRow] = []
