@@ -546,9 +546,10 @@ def test_the_modules_job_library_has_its_documented_shape(default_model, tmp_pat
     from relaycli.bench.jobs import ROOT, modules_library
     from relaycli.modules import parse_schema
     words = (ROOT / "examples/system_prompt.txt").read_text().split()
-    path = modules_library(tmp_path, words, (2048, 4096), random.Random(0))
+    path, system_text, docs_text = modules_library(tmp_path, words, (2048, 4096), random.Random(0))
     schema = parse_schema(path.read_text(), path)
     assert len(schema.modules) == 16 and all(m.after is None for m in schema.modules)
+    assert schema.system_text == system_text and [m.pieces[0] for m in schema.modules] == docs_text
     tok = default_model.tokenizer
     system = len(tok.encode(schema.system_text))
     docs = [len(tok.encode(m.pieces[0])) for m in schema.modules]

@@ -15,8 +15,8 @@ from the repository's examples/, so these run from a checkout.
             a 1,024-token system and 16 documents as root modules (2,048-4,096 tokens;
             1,536-2,432 on llama2-7b, whose positions end at 4,096), 1,000 rows each naming
             one document with a 32-128-token question and a 64-256-token answer (ignore_eos);
-            relay and --no-relay, and what the median decode step's time says about the
-            bytes it read
+            relay, --no-relay, and the same rows with the document in their prompt (full
+            prefill), and what the median decode step's time says about the bytes it read
 
 `relay bench jobs [PART ...] --out DIR` (default: examples mixed) writes DIR/jobs.json.
 """
@@ -69,6 +69,7 @@ def run_job(say: Say, name: str, work: Path, rows: Path, prompts: list[Path], *e
            "rows": st["rows"], "errors": st["errors"], "rows_per_second": round(st["rows_per_second"], 1),
            "decode_steps": st["decode_steps"], "graphed_decode_steps": st["graphed_decode_steps"],
            "eager_reasons": st["eager_reasons"], "decode_step_p50_ms": round(1e3 * (st["decode_step_p50_seconds"] or 0), 3),
+           "ttft_p50_seconds": st["ttft_p50_seconds"] and round(st["ttft_p50_seconds"], 3),
            "decode_seconds": round(st["decode_seconds"], 2), "prefill_seconds": round(st["prefill_seconds"], 2),
            "device_wait_seconds": round(st["device_wait_seconds"], 2), "prefix_hits": st["prefix_hits"],
            "prefix_misses": st["prefix_misses"], "prompt_fallbacks": st.get("prompt_fallbacks"),
@@ -140,17 +141,19 @@ def mixed(work: Path, say: Say) -> list[dict]:
             run_job(say, "mixed-llama3-no-relay", work, jobs, kvs, *common, "--no-relay")]
 
 
-def modules_library(work: Path, words: list[str], doc_tokens: tuple[int, int], rng: random.Random) -> Path:
-    """A PML library: a 1,024-token system and 16 root documents (the default tokenizer
-    makes about 0.68 words a token of this text)."""
+def modules_library(work: Path, words: list[str], doc_tokens: tuple[int, int],
+                    rng: random.Random) -> tuple[Path, str, list[str]]:
+    """A PML library of a 1,024-token system and 16 root documents (the default tokenizer
+    makes about 0.68 words a token of this text): its path, the system text, the documents."""
     def text(n_tokens: int, start: int) -> str:
-        return escape(" ".join(words[(start + j) % len(words)] for j in range(int(0.68 * n_tokens))))
-    docs = [f'  <module name="doc{i}">Document {i}. {text(rng.randint(*doc_tokens), 131 * i + 7)}</module>'
-            for i in range(16)]
+        return " ".join(words[(start + j) % len(words)] for j in range(int(0.68 * n_tokens)))
+    system = text(1024, 0)
+    docs = [f"Document {i}. {text(rng.randint(*doc_tokens), 131 * i + 7)}" for i in range(16)]
     path = work / f"library-{doc_tokens[1]}.pml"
-    path.write_text(f'<schema name="docs" mode="exact">\n  <system>{text(1024, 0)}</system>\n'
-                    + "\n".join(docs) + "\n</schema>\n")
-    return path
+    path.write_text(f'<schema name="docs" mode="exact">\n  <system>{escape(system)}</system>\n'
+                    + "".join(f'  <module name="doc{i}">{escape(d)}</module>\n' for i, d in enumerate(docs))
+                    + "</schema>\n")
+    return path, system, docs
 
 
 def modules(work: Path, say: Say) -> list[dict]:
@@ -161,38 +164,46 @@ def modules(work: Path, say: Say) -> list[dict]:
     results = []
     for preset, doc_tokens in (("llama3-8b", (2048, 4096)), ("llama2-7b", (1536, 2432))):
         rng = random.Random(0)
-        library = modules_library(work, words, doc_tokens, rng)
-        kv = work / f"library-{preset}.relaykv"
+        library, system_text, doc_texts = modules_library(work, words, doc_tokens, rng)
+        kv, sys_kv = work / f"library-{preset}.relaykv", work / f"system-{preset}.relaykv"
+        (work / "system.txt").write_text(system_text)
         model = ("--model", f"dummy:{preset}", "--dtype", "bfloat16")
         took, _ = relay("compile-prompt", library, "--out", kv, *model, "--quiet")
+        relay("compile-prompt", work / "system.txt", "--out", sys_kv, *model, "--quiet")
         _, res = relay("inspect", kv, "--json")
         meta = json.loads(res.stdout)
         say({"compile": preset, "seconds": round(took, 1)})
         rows = [{"id": str(i), "modules": [f"doc{rng.randrange(16)}"], "max_tokens": rng.randint(64, 256),
                  "prompt": " ".join(rng.choice(words) for _ in range(int(0.68 * rng.randint(32, 128)))),
                  "ignore_eos": True, "temperature": 0} for i in range(1000)]
+        # the same rows without modules: the document in the row's own prompt, prefilled per row
+        whole = [{k: v for k, v in r.items() if k != "modules"} | {"prompt": doc_texts[int(r["modules"][0][3:])]
+                                                                   + "\n\n" + r["prompt"]} for r in rows]
         jobs = write_jsonl(work / f"modules-{preset}.jsonl", rows)
         common = (*model, "--max-batch", 256)
-        pair = [run_job(say, f"modules-{preset}", work, jobs, [kv], *common),
-                run_job(say, f"modules-{preset}-no-relay", work, jobs, [kv], *common, "--no-relay")]
-        # Bytes a full-batch decode step reads when every segment in the batch is read once
-        # for all its rows, and when each row reads its own system and document.
+        trio = [run_job(say, f"modules-{preset}", work, jobs, [kv], *common),
+                run_job(say, f"modules-{preset}-no-relay", work, jobs, [kv], *common, "--no-relay"),
+                run_job(say, f"modules-{preset}-full-prefill", work, write_jsonl(work / "whole.jsonl", whole),
+                        [sys_kv], *common)]
+        # Bytes a full-batch decode step reads when each path's prefix (the system and one
+        # document) is read once for all its rows, and when each row reads its own.
         shape = ModelShape.from_config(type("C", (), PRESETS[preset])(), 2)
         seg_tokens = [seg["end"] - seg["start"] for seg in meta["segments"]]
         system, docs = seg_tokens[0], seg_tokens[1:]
         own = 80 + 160 / 2  # a row's own tokens in the middle of its answer, on average
         batch, doc_mean = 256, sum(docs) / len(docs)
-        once = shape.weight_bytes + shape.kv_bytes_per_token * (system + sum(docs) + batch * own)
+        once = shape.weight_bytes + shape.kv_bytes_per_token * (len(docs) * system + sum(docs) + batch * own)
         per_row = shape.weight_bytes + shape.kv_bytes_per_token * batch * (system + doc_mean + own)
-        for row in pair:
+        for row in trio[:2]:
             step = row["decode_step_p50_ms"] / 1e3
-            row.update(segment_tokens=seg_tokens, bytes_segments_once_gb=round(once / 1e9, 1),
+            row.update(segment_tokens=seg_tokens, bytes_paths_once_gb=round(once / 1e9, 1),
                        bytes_per_row_gb=round(per_row / 1e9, 1),
-                       tb_per_s_if_once=round(once / step / 1e12, 2) if step else None,
+                       tb_per_s_if_paths_once=round(once / step / 1e12, 2) if step else None,
                        tb_per_s_if_per_row=round(per_row / step / 1e12, 2) if step else None)
-        pair[0]["relay_over_no_relay"] = round(pair[0]["rows_per_second"] / pair[1]["rows_per_second"], 2)
-        say(pair[0])
-        results += pair
+        trio[0]["relay_over_no_relay"] = round(trio[0]["rows_per_second"] / trio[1]["rows_per_second"], 2)
+        trio[0]["relay_over_full_prefill"] = round(trio[0]["rows_per_second"] / trio[2]["rows_per_second"], 2)
+        say(trio[0])
+        results += trio
     return results
 
 
