@@ -203,7 +203,7 @@ def _run_on_ray(opts, quiet: bool):
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("--ray needs Ray Data: pip install 'relay-batch[ray]'") from None
-    result = run_ray_job(opts)
+    result = run_ray_job(opts, quiet)
     if opts.stats_json is not None:
         from relaycli.io.parts import write_json
         write_json(opts.stats_json, result)

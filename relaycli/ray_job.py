@@ -18,6 +18,7 @@ of several nodes OUT, and so the checkpoint, must be on storage that every node 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -116,9 +117,9 @@ def relay_cause(exc: BaseException | None) -> RelayError | None:
     return None
 
 
-def run_ray_job(opts: JobOptions) -> dict:
+def run_ray_job(opts: JobOptions, quiet: bool = False) -> dict:
     """Answer every row on Ray; {rows, skipped_rows, error_rows, seconds, rows_per_second,
-    output_path, actors}."""
+    output_path, actors}. quiet: without Ray Data's progress bars and execution logs."""
     if opts.devices is not None:
         raise ConfigError("--devices and --ray both given; Ray places one actor per GPU of its cluster: drop one")
     check_paths(opts)
@@ -137,10 +138,19 @@ def run_ray_job(opts: JobOptions) -> dict:
     from relaycli.ray import RelayPredictor
     from relaycli.ray_source import RequestDatasource
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR if quiet else logging.INFO)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     ctx = ray.data.DataContext.get_current()
-    saved = ctx.execution_options.preserve_order, ctx.checkpoint_config
+    shown = ("enable_progress_bars", "enable_operator_progress_bars", "print_on_execution_start",
+             "enable_auto_log_stats")
+    saved = ctx.execution_options.preserve_order, ctx.checkpoint_config, {k: getattr(ctx, k) for k in shown}
+    data_log = logging.getLogger("ray.data")
+    saved_level = data_log.level
+    if quiet:
+        for key in shown:
+            setattr(ctx, key, False)
+        data_log.setLevel(logging.ERROR)  # also its notice that the bars are off
     ctx.execution_options.preserve_order = True  # each file of the dataset holds its rows in input order
     ctx.checkpoint_config = CheckpointConfig(id_column="row_index", checkpoint_path=str(state.resolve() / "ids"),
                                              delete_checkpoint_on_success=False)
@@ -150,7 +160,7 @@ def run_ray_job(opts: JobOptions) -> dict:
         # predictors, and on resuming Ray's checkpoint filter) would otherwise hold every CPU
         # and the job would wait forever. Ray Data's backpressure still bounds them.
         ds = ray.data.read_datasource(rows_in, num_cpus=0).map_batches(
-            RelayPredictor, fn_constructor_kwargs=kwargs, concurrency=max(gpus, 1),
+            RelayPredictor, fn_constructor_kwargs=kwargs, compute=ray.data.ActorPoolStrategy(size=max(gpus, 1)),
             num_gpus=1 if gpus else 0, batch_size=4 * opts.engine.max_num_seqs, batch_format="pyarrow")
         ds.write_parquet(str(out.resolve()), ray_remote_args={"num_cpus": 0})
     except Exception as e:
@@ -159,7 +169,10 @@ def run_ray_job(opts: JobOptions) -> dict:
             raise
         raise cause from None
     finally:
-        ctx.execution_options.preserve_order, ctx.checkpoint_config = saved
+        ctx.execution_options.preserve_order, ctx.checkpoint_config, flags = saved
+        for key, value in flags.items():
+            setattr(ctx, key, value)
+        data_log.setLevel(saved_level)
     out.mkdir(exist_ok=True)  # an input of no rows writes no file
     rows, errors = _count(out)
     if rows != source.num_rows:

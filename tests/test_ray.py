@@ -179,3 +179,17 @@ def test_a_read_task_refuses_an_input_changed_after_planning(job, tmp_path):
         ray.data.read_datasource(source).take_all()
     cause = relay_cause(caught.value)  # what `relay run --ray` shows: one sentence, no traceback
     assert type(cause) is InputError and str(cause).startswith(f"the input file {path} changed while the job ran")
+
+
+def test_relay_run_ray_quiet_leaves_out_ray_datas_progress(job, tmp_path):
+    import os
+    d, _, _ = job
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}  # with the cluster's token
+    args = ["run", "--ray", "--in", d / "in.jsonl", "--prompt", d / "sys.relaykv", "--model", "dummy:tiny",
+            "--device", "cpu", "--max-batch", "4"]
+    rc, loud = run([*args, "--out", tmp_path / "loud"], **env)
+    assert rc == 0 and any("Running Dataset" in line for line in loud), loud
+    rc, quiet = run([*args, "--out", tmp_path / "quiet", "--quiet"], **env)
+    assert rc == 0, quiet
+    assert not [line for line in quiet if re.search(r"Running Dataset|Progress|INFO|WARNING", line)], quiet
+    assert pds.dataset(tmp_path / "quiet", format="parquet").count_rows() == N + 1
