@@ -194,9 +194,9 @@ def test_the_decode_after_a_prefill_launches_before_the_prefill_is_read_back():
     order = []
     launch, read_back = engine.runner.launch, engine._read_back
 
-    def logged_launch(seqs, is_prefill, prev=None):
+    def logged_launch(seqs, is_prefill, prev=None, before_sampling=None):
         order.append(("launch", is_prefill))
-        return launch(seqs, is_prefill, prev)
+        return launch(seqs, is_prefill, prev, before_sampling)
 
     def logged_read_back(step):
         order.append(("read", step.is_prefill))
