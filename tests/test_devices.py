@@ -74,6 +74,12 @@ def test_two_workers_answer_as_one_process(job, tmp_path):
     assert [w["device"] for w in workers] == ["cpu", "cpu"] and all(w["state"] == "done" for w in workers)
     assert sum(w["rows"] for w in workers) == N and all(w["rows"] > 0 for w in workers)  # the bad row: the parent's
     assert summary.stats.rows == N + 1 and summary.stats.prefix_hits == N
+    # the job's quantiles come from every worker's values (few enough here to be exact)
+    st = summary.stats
+    assert st.ttft.count == N and st.decode_step.count == st.decode_steps == sum(
+        w["stats"]["decode_steps"] for w in workers)
+    medians = sorted(w["stats"]["decode_step_p50_seconds"] for w in workers)
+    assert medians[0] <= st.as_dict()["decode_step_p50_seconds"] <= medians[1]
 
 
 def test_a_worker_killed_mid_job_leaves_every_row_answered_once(job, tmp_path):

@@ -67,6 +67,10 @@ class Summary:
             self._sorted = sorted(self._values)
         return quantile(self._sorted, q)
 
+    def kept(self) -> list[float]:
+        """The values kept: all of them up to the bound, then the sample."""
+        return list(self._values)
+
     @property
     def exact(self) -> bool:
         """Whether every value is still kept (the quantiles are exact)."""
@@ -149,6 +153,18 @@ class EngineStats:
             setattr(self, name, getattr(self, name) + counters[name])
         for reason, count in counters["eager_reasons"].items():
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + count
+
+    def samples(self) -> dict:
+        """The TTFT and decode-step values this engine kept (another engine's add_samples)."""
+        return {"ttft": self.ttft.kept(), "decode_step": self.decode_step.kept()}
+
+    def add_samples(self, samples: dict) -> None:
+        """Another engine's samples() into these quantiles: exact while each engine kept
+        every value (SUMMARY_VALUES), a sample of samples after."""
+        for value in samples["ttft"]:
+            self.ttft.add(value)
+        for value in samples["decode_step"]:
+            self.decode_step.add(value)
 
     def decode_step_p50(self) -> float | None:
         return self.decode_step.quantile(0.5)

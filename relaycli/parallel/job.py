@@ -65,9 +65,11 @@ def run_parallel_job(opts: JobOptions, on_start: Callable[[int, int], None] | No
                 on_start(source.num_rows, len(done))
             _answer(opts, source, writer, pool, stats, done, on_result, on_workers)
             pool.finish()
-            for report in pool.reports():
-                if report["stats"] is not None:  # a worker that stopped: its counters up to its last beat
-                    stats.add_counters(report["stats"])
+            for w in pool.workers:
+                if w.stats is not None:  # a worker that stopped: its counters up to its last beat
+                    stats.add_counters(w.stats)
+                if w.samples is not None:  # the job's TTFT and step quantiles over every worker
+                    stats.add_samples(w.samples)
         summary.workers = pool.reports()
         writer.finalize(source.num_rows)
         stats.ended = time.perf_counter()  # the workers' exit (pool.close) is no part of the job

@@ -50,6 +50,7 @@ class Worker:
     errors: int = 0
     completion_tokens: int = 0
     stats: dict | None = None  # its engine's counters from its latest beat; its final statistics once done
+    samples: dict | None = None  # once done: its engine's TTFT and decode-step values (EngineStats.samples)
     progress_at: float = 0.0  # monotonic time of its last answer or engine step while it held rows
 
     def report(self) -> dict:
@@ -181,7 +182,7 @@ class WorkerPool:
             elif kind == "failed":
                 w.failure = message.get("message")
             elif kind == "done":
-                w.state, w.stats = "done", message.get("stats")
+                w.state, w.stats, w.samples = "done", message.get("stats"), message.get("samples")
             if not w.results_conn.poll():
                 return
 

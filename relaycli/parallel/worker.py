@@ -132,7 +132,7 @@ def main(spec_text: str, rows_conn, results_conn) -> None:
             outbox.send({"type": "result", "row": result_message(result)})
         inbox.finished = True
         stop.set()
-        outbox.send({"type": "done", "stats": engine.stats.as_dict()})
+        outbox.send({"type": "done", "stats": engine.stats.as_dict(), "samples": engine.stats.samples()})
     except (BrokenPipeError, ConnectionResetError):
         os._exit(PARENT_GONE)
     except Exception as exc:  # noqa: BLE001 - the parent gives this worker's rows to the others
