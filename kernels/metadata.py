@@ -64,7 +64,7 @@ class LayerPrefixes(list):
         v_store = torch.zeros((rows, *v0.shape[1:]), dtype=v0.dtype, device=v0.device)
         layer = cls([], (k_store, v_store), 0)
         for pair in pairs:
-            layer._write(pair)
+            layer._write([pair])
         return layer
 
     def appended(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> "LayerPrefixes":
@@ -75,26 +75,26 @@ class LayerPrefixes(list):
         rows = sum(k.shape[0] for k, _ in pieces)
         if self.store is None or self.used + rows > self.store[0].shape[0]:
             like = self.store[0] if self.store is not None else self[0][0]
-            k = torch.cat([k.to(like.device, like.dtype) for k, _ in pieces])
-            v = torch.cat([v.to(like.device, like.dtype) for _, v in pieces])
-            return LayerPrefixes.stored(list(self) + [(k, v)])
-        (k_store, v_store), start = self.store, self.used
-        at = start
-        for k, v in pieces:
-            k_store[at:at + k.shape[0]].copy_(k)
-            v_store[at:at + k.shape[0]].copy_(v)
-            at += k.shape[0]
-        layer = LayerPrefixes(list(self), self.store, at)
-        layer.append((k_store[start:at], v_store[start:at]))
+            return LayerPrefixes.stored(list(self) + [joined(pieces, like.device, like.dtype)])
+        layer = LayerPrefixes(list(self), self.store, self.used)
+        layer._write(pieces)
         return layer
 
-    def _write(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-        (k, v), (k_store, v_store), start = pair, self.store, self.used
-        end = start + k.shape[0]
-        k_store[start:end].copy_(k)
-        v_store[start:end].copy_(v)
-        self.append((k_store[start:end], v_store[start:end]))
-        self.used = end
+    def _write(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy the pieces into the store's next free rows, as one more slot."""
+        (k_store, v_store), start = self.store, self.used
+        for k, v in pieces:
+            k_store[self.used:self.used + k.shape[0]].copy_(k)
+            v_store[self.used:self.used + k.shape[0]].copy_(v)
+            self.used += k.shape[0]
+        self.append((k_store[start:self.used], v_store[start:self.used]))
+
+
+def joined(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive (k, v) pieces as one (k, v) on device, in dtype."""
+    return (torch.cat([k.to(device, dtype) for k, _ in pieces]),
+            torch.cat([v.to(device, dtype) for _, v in pieces]))
 
 
 def prefix_table_rows(row_slots: list[int | None], prefix_lens: list[int],

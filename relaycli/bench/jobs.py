@@ -46,8 +46,7 @@ def relay(*args, env=None) -> tuple[float, subprocess.CompletedProcess]:
     res = subprocess.run(RELAY + [str(a) for a in args], capture_output=True, text=True, env=env)
     took = time.perf_counter() - started
     if res.returncode != 0:
-        print(res.stderr[-3000:], flush=True)
-        raise SystemExit(f"relay {' '.join(map(str, args[:2]))} failed ({res.returncode})")
+        raise SystemExit(f"relay {' '.join(map(str, args[:2]))} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return took, res
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from relaycli.kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
-from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes, PrefixGroup
+from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes, PrefixGroup, joined
 from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
@@ -49,6 +49,12 @@ def _available_cpu_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether an allocation failed for want of memory (torch's out-of-memory errors are
+    RuntimeErrors)."""
+    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -140,15 +146,12 @@ class ModelRunner:
                 if self.attention_impl == "triton":
                     grown.append(layer.appended(parts))
                 else:
-                    k = torch.cat([k.to(self.device, self.dtype) for k, _ in parts])
-                    v = torch.cat([v.to(self.device, self.dtype) for _, v in parts])
-                    grown.append(LayerPrefixes([*layer, (k, v)]))
-        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
-            if "out of memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                    grown.append(LayerPrefixes([*layer, joined(parts, self.device, self.dtype)]))
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
                 raise
             tokens = sum(p.num_tokens for p in pieces)
-            gib = tokens * self.bytes_per_block() / self.block_size / 1024**3
-            raise ConfigError(f"a shared prefix of {tokens} tokens ({gib:.1f} GiB) does not fit beside "
+            raise ConfigError(f"a shared prefix of {tokens} tokens ({self._gib(tokens):.1f} GiB) does not fit beside "
                              f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
         layers[:] = grown
         self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])
@@ -165,13 +168,16 @@ class ModelRunner:
         try:
             return [PrefixKV([k.to(self.device, self.dtype) for k in p.keys],
                              [v.to(self.device, self.dtype) for v in p.values]) for p in prefixes]
-        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
-            if "out of memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
                 raise
             tokens = sum(p.num_tokens for p in prefixes)
-            gib = tokens * self.bytes_per_block() / self.block_size / 1024**3
-            raise ConfigError(f"the prompts' KV ({tokens} tokens, {gib:.1f} GiB) does not fit in {self.device}'s "
+            raise ConfigError(f"the prompts' KV ({tokens} tokens, {self._gib(tokens):.1f} GiB) does not fit in {self.device}'s "
                              f"free memory ({type(exc).__name__}); pass fewer or shorter --prompt files") from None
+
+    def _gib(self, tokens: int) -> float:
+        """GiB of KV that many tokens take in every layer."""
+        return tokens * self.bytes_per_block() / self.block_size / 1024**3
 
     def bytes_per_block(self) -> int:
         return (2 * self.mc.num_hidden_layers * self.block_size * self.mc.num_key_value_heads * self.mc.head_dim
