@@ -7,6 +7,9 @@ before any row is computed. Progress goes to an optional callback; nothing print
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,15 +195,37 @@ def check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
     return source, writer
 
 
+def _first_constraints(source: RequestSource, defaults: RequestDefaults, rows: int = 64) -> list:
+    """The distinct constraints the input's first rows ask for (their specs)."""
+    specs = {}
+    for row in itertools.islice(read_requests(source, defaults), rows):
+        spec = getattr(row, "constraint", None)  # error rows have none
+        if spec is not None:
+            specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+def _import_quietly(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError:  # a constrained row then becomes an error row naming the fix
+        pass
+
+
 def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
                  loaded: LoadedModel | None) -> tuple[Engine, JobSummary, RowSet]:
     """Load the model and the artifacts, make the engine, and bind the output to this job's
     record (a resumed output must belong to the same job)."""
     done = writer.done_row_indices()
+    constrained = _first_constraints(source, opts.defaults)
+    if constrained:  # xgrammar's import (most of its start) runs while the model loads
+        threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
     if loaded is None:
         loaded = load_model(opts.model, opts.dtype, opts.device)
     artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]
     engine = Engine(loaded, artifacts, opts.engine)
+    if constrained and engine.grammars is not None:
+        engine.grammars.prepare_in_background(constrained)
     run_dtype = dtype_name(loaded.model.dtype)
     summary = JobSummary(
         input_rows=source.num_rows, skipped_rows=len(done), stats=engine.stats, model=loaded.reference,

@@ -157,3 +157,22 @@ def test_a_grammar_ends_its_row_also_with_ignore_eos(default_model, artifact):
     got = _run(default_model, artifact, [{"id": "a", "prompt": "Say yes.", "choices": ["yes", "no"],
                                           "ignore_eos": True, "max_tokens": 6}])
     assert got["a"].finish_reason == "stop" and got["a"].text in ("yes", "no")
+
+
+def test_the_first_rows_grammars_are_compiled_ahead_and_a_bad_one_stays_an_error_row(default_model, tmp_path):
+    from relaycli.io.reader import open_requests
+    from relaycli.job import _first_constraints
+
+    rows = [{"prompt": "a"}, {"prompt": "b", "regex": "[ab]+"}, {"prompt": "c", "regex": "[ab]+"},
+            {"prompt": "d", "regex": "(("}, {"prompt": "e", "choices": ["x", "y"]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    specs = _first_constraints(open_requests(path, None), RequestDefaults())
+    assert sorted(s.field for s in specs) == ["choices", "regex", "regex"]  # one per distinct constraint
+    engine = Engine(default_model, [], EngineConfig(max_num_seqs=4))
+    engine.grammars.prepare_in_background(specs).join()
+    assert len(engine.grammars._compiled) == 2 and len(engine.grammars._errors) == 1
+    got = {r.row_index: r for r in engine.generate(
+        [parse_request(r, i, RequestDefaults(temperature=0, max_tokens=3)) for i, r in enumerate(rows)])}
+    assert got[3].finish_reason == "error" and "'regex'" in got[3].error
+    assert re.fullmatch("[ab]+", got[1].text) and got[4].text in ("x", "y")
