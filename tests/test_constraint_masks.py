@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from relaycli.engine.constraints import RowMatcher, apply_masks
@@ -47,3 +48,20 @@ def test_masks_forbid_exactly_the_tokens_each_grammar_forbids():
     full = apply_masks(logits, every)
     assert all(torch.isinf(full[b]).sum().item() == vocab - len(allowed[b]) for b in range(batch))
     assert apply_masks(logits, [None] * batch) is logits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masks_on_cuda_equal_the_cpu_masks():
+    torch.manual_seed(0)
+    vocab, batch = 49152, 64  # the default model's vocabulary
+    words = (vocab + 31) // 32
+    bits = torch.randint(-2**31, 2**31 - 1, (batch, words), dtype=torch.int32)
+
+    class Batch:
+        def batch_fill_next_token_bitmask(self, grammars, bitmask):
+            bitmask.copy_(bits[: bitmask.shape[0]])
+
+    matchers = [RowMatcher(_Grammar(set()), Batch()) for _ in range(batch)]
+    logits = torch.randn(batch, vocab)
+    assert torch.equal(apply_masks(logits.cuda(), matchers).cpu(), apply_masks(logits, matchers))
