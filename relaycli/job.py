@@ -195,13 +195,17 @@ def check_inputs(opts: JobOptions) -> tuple[RequestSource, ResultWriter]:
     return source, writer
 
 
-def _first_constraints(source: RequestSource, defaults: RequestDefaults, rows: int = 64) -> list:
-    """The distinct constraints the input's first rows ask for (their specs)."""
+def _first_constraints(source: RequestSource, defaults: RequestDefaults, skip: RowSet, rows: int = 64) -> list:
+    """The distinct constraints the first rows to answer ask for (their specs). An input
+    that breaks among them is reported by the job's own reading, after the rows before it."""
     specs = {}
-    for row in itertools.islice(read_requests(source, defaults), rows):
-        spec = getattr(row, "constraint", None)  # error rows have none
-        if spec is not None:
-            specs.setdefault(spec.key, spec)
+    try:
+        for row in itertools.islice(read_requests(source, defaults, skip=skip), rows):
+            spec = getattr(row, "constraint", None)  # error rows have none
+            if spec is not None:
+                specs.setdefault(spec.key, spec)
+    except Exception:  # noqa: BLE001 - see above
+        pass
     return list(specs.values())
 
 
@@ -217,7 +221,7 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
     """Load the model and the artifacts, make the engine, and bind the output to this job's
     record (a resumed output must belong to the same job)."""
     done = writer.done_row_indices()
-    constrained = _first_constraints(source, opts.defaults)
+    constrained = _first_constraints(source, opts.defaults, done)
     if constrained:  # xgrammar's import (most of its start) runs while the model loads
         threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
     if loaded is None:

@@ -167,7 +167,7 @@ def test_the_first_rows_grammars_are_compiled_ahead_and_a_bad_one_stays_an_error
             {"prompt": "d", "regex": "(("}, {"prompt": "e", "choices": ["x", "y"]}]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    specs = _first_constraints(open_requests(path, None), RequestDefaults())
+    specs = _first_constraints(open_requests(path, None), RequestDefaults(), frozenset())
     assert sorted(s.field for s in specs) == ["choices", "regex", "regex"]  # one per distinct constraint
     engine = Engine(default_model, [], EngineConfig(max_num_seqs=4))
     engine.grammars.prepare_in_background(specs).join()
