@@ -86,7 +86,7 @@ class Child:
         for line in self.proc.stderr:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, marker: str, timeout: float = 120.0) -> bool:
+    def wait_for(self, marker: str, timeout: float = 300.0) -> bool:
         """Whether the child printed a line starting with marker before it ended."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

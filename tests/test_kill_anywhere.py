@@ -46,7 +46,7 @@ def _kill_at_random(args: list, parts: Path, rng: random.Random) -> None:
     want = _parts(parts) + 1
     pause = rng.uniform(0, RANDOM_PAUSE)
     child = Child(args, RELAY_TEST_STOP_AT=f"part-renamed:{RANDOM_PARTS}")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while child.proc.poll() is None and time.monotonic() < deadline:
         if _parts(parts) >= want:
             time.sleep(pause)
