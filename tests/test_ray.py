@@ -195,3 +195,14 @@ def test_relay_run_ray_quiet_leaves_out_ray_datas_progress(job, tmp_path):
     assert rc == 0, quiet
     assert not [line for line in quiet if re.search(r"Running Dataset|Progress|INFO|WARNING", line)], quiet
     assert pds.dataset(tmp_path / "quiet", format="parquet").count_rows() == N + 1
+
+
+def test_an_actor_asks_for_its_share_of_a_nodes_cpus():
+    from relaycli.ray_job import actor_cpus
+    node = lambda cpu, gpu=0, alive=True: {"Alive": alive, "Resources": {"CPU": cpu, **({"GPU": gpu} if gpu else {})}}  # noqa: E731
+    assert actor_cpus([node(2)]) == 2  # the one CPU actor: every core, so torch runs that many threads
+    assert actor_cpus([node(2)], spare=1) == 1  # a resumed job's checkpoint filter keeps one
+    assert actor_cpus([node(1)], spare=1) == 1
+    assert actor_cpus([node(16, 8), node(64, 8), node(96)]) == 2  # the fewest of any GPU node, per GPU
+    assert actor_cpus([node(128, 8)], spare=1) == 15
+    assert actor_cpus([node(8), node(32), node(64, alive=False)]) == 32
