@@ -106,18 +106,23 @@ def _count(out: Path) -> tuple[int, int]:
     return rows, errors
 
 
-def actor_cpus(nodes: list[dict], spare: int = 0) -> int:
+def actor_cpus(nodes: list[dict], available: dict, spare: int = 0) -> int:
     """CPUs each predictor actor asks for: a GPU node's CPUs shared among its GPUs (the
     fewest of any GPU node), or on a cluster without GPUs the largest node's, for the one
-    actor; spare CPUs a node keeps for Ray Data's own actors (the checkpoint filter of a
-    resumed job takes one). Ray sets an actor's torch threads (OMP_NUM_THREADS) to the
-    CPUs it asks for: at Ray's default of one, the engine's host work, and on a CPU its
-    whole forward pass, would run on one core of many."""
+    actor; never more than the cluster's free CPUs (available) shared among its actors, so
+    that CPUs other work holds do not leave the actors waiting; spare CPUs are kept for Ray
+    Data's own actors (the checkpoint filter of a resumed job takes one). Ray sets an
+    actor's torch threads (OMP_NUM_THREADS) to the CPUs it asks for: at Ray's default of
+    one, the engine's host work, and on a CPU its whole forward pass, would use one core."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     gpu_nodes = [r for r in alive if r.get("GPU", 0) >= 1]
     if gpu_nodes:
-        return max(1, min(int((r.get("CPU", 0) - spare) // r["GPU"]) for r in gpu_nodes))
-    return max([1, *(int(r.get("CPU", 0)) - spare for r in alive)])
+        share = min(int((r.get("CPU", 0) - spare) // r["GPU"]) for r in gpu_nodes)
+        free = int((available.get("CPU", 0) - spare) // max(available.get("GPU", 0), 1))
+    else:
+        share = max([0, *(int(r.get("CPU", 0)) - spare for r in alive)])
+        free = int(available.get("CPU", 0)) - spare
+    return max(1, min(share, free))
 
 
 def relay_cause(exc: BaseException | None) -> RelayError | None:
@@ -177,7 +182,7 @@ def run_ray_job(opts: JobOptions, quiet: bool = False) -> dict:
         # and the job would wait forever. Ray Data's backpressure still bounds them.
         ds = ray.data.read_datasource(rows_in, num_cpus=0).map_batches(
             RelayPredictor, fn_constructor_kwargs=kwargs, compute=ray.data.ActorPoolStrategy(size=max(gpus, 1)),
-            num_gpus=1 if gpus else 0, num_cpus=actor_cpus(ray.nodes(), spare=int(filtered)),
+            num_gpus=1 if gpus else 0, num_cpus=actor_cpus(ray.nodes(), ray.available_resources(), int(filtered)),
             batch_size=4 * opts.engine.max_num_seqs, batch_format="pyarrow")
         ds.write_parquet(str(out.resolve()), ray_remote_args={"num_cpus": 0})
     except Exception as e:

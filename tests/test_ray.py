@@ -200,9 +200,12 @@ def test_relay_run_ray_quiet_leaves_out_ray_datas_progress(job, tmp_path):
 def test_an_actor_asks_for_its_share_of_a_nodes_cpus():
     from relaycli.ray_job import actor_cpus
     node = lambda cpu, gpu=0, alive=True: {"Alive": alive, "Resources": {"CPU": cpu, **({"GPU": gpu} if gpu else {})}}  # noqa: E731
-    assert actor_cpus([node(2)]) == 2  # the one CPU actor: every core, so torch runs that many threads
-    assert actor_cpus([node(2)], spare=1) == 1  # a resumed job's checkpoint filter keeps one
-    assert actor_cpus([node(1)], spare=1) == 1
-    assert actor_cpus([node(16, 8), node(64, 8), node(96)]) == 2  # the fewest of any GPU node, per GPU
-    assert actor_cpus([node(128, 8)], spare=1) == 15
-    assert actor_cpus([node(8), node(32), node(64, alive=False)]) == 32
+    free = lambda cpu, gpu=0: {"CPU": cpu, **({"GPU": gpu} if gpu else {})}  # noqa: E731
+    assert actor_cpus([node(2)], free(2)) == 2  # the one CPU actor: every core, so torch runs that many threads
+    assert actor_cpus([node(2)], free(2), spare=1) == 1  # a resumed job's checkpoint filter keeps one
+    assert actor_cpus([node(1)], free(1), spare=1) == 1
+    assert actor_cpus([node(16, 8), node(64, 8), node(96)], free(176, 16)) == 2  # the fewest of a GPU node's
+    assert actor_cpus([node(128, 8)], free(128, 8), spare=1) == 15
+    assert actor_cpus([node(8), node(32), node(64, alive=False)], free(40)) == 32
+    assert actor_cpus([node(128, 8)], free(40, 8)) == 5  # other work holds CPUs: ask only for free ones
+    assert actor_cpus([node(8)], free(0.5)) == 1
