@@ -1,7 +1,8 @@
 """Ray Data: relay's engine as a callable class for `Dataset.map_batches`.
 
     ds.map_batches(RelayPredictor, fn_constructor_kwargs={"prompts": ["sys.relaykv"], "max_batch": 64},
-                   concurrency=2, num_gpus=1, batch_size=256, batch_format="pyarrow")
+                   compute=ray.data.ActorPoolStrategy(size=2), num_gpus=1, batch_size=256,
+                   batch_format="pyarrow")
 
 Each actor loads the model and the artifacts once. A batch holds request columns (the
 fields of a JSONL row: `prompt` or `messages`, `id`, sampling fields...) or one `request`

@@ -209,3 +209,25 @@ def test_an_actor_asks_for_its_share_of_a_nodes_cpus():
     assert actor_cpus([node(8), node(32), node(64, alive=False)], free(40)) == 32
     assert actor_cpus([node(128, 8)], free(40, 8)) == 5  # other work holds CPUs: ask only for free ones
     assert actor_cpus([node(8)], free(0.5)) == 1
+
+
+def test_the_default_model_on_ray_answers_as_a_local_job(job, default_model, tmp_path):
+    """The embedded default model in a Ray actor (`relay run --ray`): the answers of one
+    local process, greedy and sampled."""
+    from relaycli.compile import compile_prompt
+    from relaycli.ray_job import run_ray_job
+    compile_prompt(default_model, "You are a support assistant for a small shop. Answer in one sentence.",
+                   tmp_path / "sys.relaykv")
+    rows = [{"id": f"q{i}", "prompt": f"Which day is refund day number {i}?", "max_tokens": 6,
+             "temperature": 0 if i % 2 else 0.8} for i in range(4)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    opts = lambda out: JobOptions(input_path=tmp_path / "in.jsonl", output_path=out,  # noqa: E731
+                                  prompt_paths=[tmp_path / "sys.relaykv"], model=None, device="cpu",
+                                  engine=EngineConfig(max_num_seqs=4), defaults=RequestDefaults(seed_base=7))
+    run_job(opts(tmp_path / "local.parquet"), loaded=default_model)
+    result = run_ray_job(opts(tmp_path / "answers"))
+    assert result["rows"] == 4 and result["error_rows"] == 0
+    table = pds.dataset(tmp_path / "answers", format="parquet").to_table().sort_by("row_index")
+    local = pq.read_table(tmp_path / "local.parquet").to_pylist()
+    assert table.drop_columns(["row_index"]).to_pylist() == local
+    assert all(r["completion_tokens"] > 0 for r in local)
