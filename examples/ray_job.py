@@ -3,10 +3,10 @@
     relay compile-prompt examples/system_prompt.txt --out sys.relaykv
     python examples/ray_job.py sys.relaykv answers/      # RAY_ADDRESS for a cluster; else a local one
 
-One actor per GPU of the cluster (one on the CPU without GPUs), with its share of the CPUs. Ray's read tasks read the
-input in place with relay's reader; rows keep their JSON in one `request` column, so nested
-fields (messages, json_schema) reach relay exactly. The answers are a Parquet dataset with
-relay's output columns and row_index.
+One actor per GPU of the cluster (one on the CPU without GPUs), with its share of the
+CPUs. Ray's read tasks read the input in place with relay's reader; rows keep their JSON in
+one `request` column, so nested fields (messages, json_schema) reach relay exactly. The
+answers are a Parquet dataset with relay's output columns and row_index.
 """
 
 import json
