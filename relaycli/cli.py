@@ -148,7 +148,7 @@ def run_cmd(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N."),
     devices: Optional[str] = typer.Option(None, "--devices", help="One worker process per device: cuda:0,cuda:1 | all | cpu,cpu."),
-    worker_timeout: float = typer.Option(300.0, "--worker-timeout", help="With --devices: seconds a worker may hold rows with no answer and no engine step before it counts as hung and its rows go to the others."),
+    worker_timeout: float = typer.Option(300.0, "--worker-timeout", help="With --devices: seconds a worker may hold rows with no answer and no engine step (or, while it loads, send nothing) before it counts as hung and its rows go to the others."),
     input_format: Optional[str] = typer.Option(None, "--format", help="Input format if the extension does not say: jsonl | parquet."),
     max_batch: int = typer.Option(64, "--max-batch", help="Sequences in flight."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens for rows without one."),

@@ -125,6 +125,29 @@ def test_a_hung_worker_is_stopped_and_its_counters_kept(job, tmp_path):
     assert summary.stats.decode_steps == other["stats"]["decode_steps"] + hung["stats"]["decode_steps"]
 
 
+def test_a_worker_that_never_loads_stops_the_job_before_any_row(job, tmp_path):
+    """A worker stopped (SIGSTOP) while it loads sends nothing, not even `loading`: after
+    --worker-timeout the job stops with one sentence naming the fix instead of waiting for
+    it forever, and the worker is gone. A worker that loads for longer than that keeps
+    sending `loading` (the other tests load for longer than their 2 s timeouts)."""
+    from relaycli.parallel.job import in_flight_window, worker_spec
+    from relaycli.parallel.pool import WorkerPool
+    d, _ = job
+    opts = _opts(d, tmp_path / "out.parquet", devices=["cpu", "cpu"], worker_timeout=3.0)
+    pool = WorkerPool(opts.devices, worker_spec(opts), in_flight_window(opts), opts.worker_timeout)
+    stuck = pool.workers[1].process
+    try:
+        os.kill(stuck.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^the worker on cpu sent nothing for 3 s while loading the model "
+                                              r"\(hung\); check the device and run the job again$"):
+            pool.wait_ready()
+        assert time.monotonic() - t0 < 60
+    finally:
+        pool.close()
+    assert not stuck.is_alive()
+
+
 def test_every_worker_killed_stops_the_job_and_resume_finishes_it(job, tmp_path):
     """Both workers killed: the job stops with its answers saved; rows in flight on both are
     error rows naming the cause; a --resume (here without --devices) answers the rest."""

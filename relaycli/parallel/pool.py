@@ -7,7 +7,8 @@ has its unanswered rows given to the others; a row that was in flight on two wor
 that stopped becomes an error row naming the cause, so one row that kills its worker
 cannot take the job down. A worker that holds rows but neither answers one nor finishes
 an engine step for `stall_seconds` is hung (a stuck device, a stopped process): it is
-killed and counts as stopped. When no worker is left the job stops with every finished
+killed and counts as stopped. A loading worker silent for `stall_seconds` stops the job
+before any row is dealt. When no worker is left the job stops with every finished
 answer saved (`--resume` goes on).
 """
 
@@ -87,13 +88,19 @@ class WorkerPool:
             self.workers.append(Worker(index, device, process, rows_in, results_out))
 
     def wait_ready(self) -> list[dict]:
-        """Every worker's ready message; WorkerError when one cannot load (its refusal as said)."""
+        """Every worker's ready message; WorkerError when one cannot load (its refusal as said)
+        or sends nothing, not even `loading`, for stall_seconds (a stopped process)."""
         for w in self.workers:
-            try:
-                message = recv(w.results_conn)
-            except (EOFError, OSError):
-                raise WorkerError(f"the worker on {w.device} stopped while loading the model "
-                                  f"({w.stopped_because()}); check the device's memory and the model") from None
+            message = {"type": "loading"}
+            while message["type"] == "loading":
+                if not w.results_conn.poll(self.stall_seconds):
+                    raise WorkerError(f"the worker on {w.device} sent nothing for {self.stall_seconds:g} s while "
+                                      "loading the model (hung); check the device and run the job again")
+                try:
+                    message = recv(w.results_conn)
+                except (EOFError, OSError):
+                    raise WorkerError(f"the worker on {w.device} stopped while loading the model "
+                                      f"({w.stopped_because()}); check the device's memory and the model") from None
             if message["type"] != "ready":
                 text = message.get("message", message["type"])
                 raise WorkerError(text if message.get("refusal") else f"the worker on {w.device} failed to load "

@@ -4,7 +4,9 @@ answers the rows its parent sends, and sends back their results (codec.py messag
 The engine's input is a stream the parent keeps topped up, so its batches stay full. Every
 BEAT_SECONDS a thread sends the engine's counters: the parent sees that the engine still
 makes progress (a worker that stops stepping with rows in hand is hung, and is replaced),
-and a worker that dies mid-job still leaves its counters in the job's statistics. The
+and a worker that dies mid-job still leaves its counters in the job's statistics. While
+the model loads the thread sends `loading`: a worker silent for the parent's stall
+time while loading (a stopped process) is hung. The
 worker ignores Ctrl-C (the terminal sends it to every process of the job: the parent
 decides how the job stops) and exits at once when its parent is gone (a kill -9), so a
 `--resume` does not find it still holding the device.
@@ -39,11 +41,20 @@ class _Outbox:
 
 
 def _beat(outbox: _Outbox, stats, stop: threading.Event) -> None:
+    """Every BEAT_SECONDS until stop: the engine's counters, or while the model loads (stats
+    None) a `loading` message, which says the process still runs."""
     while not stop.wait(BEAT_SECONDS):
         try:
-            outbox.send({"type": "beat", "stats": stats.counters()})
+            outbox.send({"type": "beat", "stats": stats.counters()} if stats is not None else {"type": "loading"})
         except OSError:
             return  # the parent is gone: the inbox thread ends the process
+
+
+def _beating(outbox: _Outbox, stats) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=_beat, args=(outbox, stats, stop), name="relay-beat", daemon=True)
+    thread.start()
+    return thread, stop
 
 
 class _Inbox:
@@ -114,20 +125,28 @@ def main(spec_text: str, rows_conn, results_conn) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_text)
+    outbox = _Outbox(results_conn)
+    loading, loaded = _beating(outbox, None)
     try:
         engine, artifacts = _load(spec)
     except RelayError as exc:
-        send(results_conn, {"type": "failed", "refusal": True, "message": str(exc)})
+        loaded.set()
+        loading.join()
+        outbox.send({"type": "failed", "refusal": True, "message": str(exc)})
         return
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which names the worker
+        loaded.set()
+        loading.join()
         traceback.print_exc()
-        send(results_conn, {"type": "failed", "refusal": False, "message": _failure(exc)})
+        outbox.send({"type": "failed", "refusal": False, "message": _failure(exc)})
         raise SystemExit(1)
-    inbox, outbox, stop = _Inbox(rows_conn), _Outbox(results_conn), threading.Event()
+    loaded.set()
+    loading.join()  # no `loading` message follows `ready`
+    inbox = _Inbox(rows_conn)
     try:
         outbox.send(_ready(engine, artifacts))
         engine.stats.started = time.perf_counter()
-        threading.Thread(target=_beat, args=(outbox, engine.stats, stop), name="relay-beat", daemon=True).start()
+        _, stop = _beating(outbox, engine.stats)
         for result in engine.generate(inbox.rows()):
             outbox.send({"type": "result", "row": result_message(result)})
         inbox.finished = True
