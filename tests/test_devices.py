@@ -113,11 +113,11 @@ def test_a_hung_worker_is_stopped_and_its_counters_kept(job, tmp_path):
             os.kill(reports[1]["pid"], signal.SIGSTOP)
 
     t0 = time.monotonic()
-    summary = run_job(_opts(d, tmp_path / "out.parquet", devices=["cpu", "cpu"], worker_timeout=2.0),
+    summary = run_job(_opts(d, tmp_path / "out.parquet", devices=["cpu", "cpu"], worker_timeout=10.0),
                       on_workers=freeze_one)
     assert stopped and time.monotonic() - t0 < 120
     hung, other = summary.workers[1], summary.workers[0]
-    assert hung["state"] == "stopped" and "made no progress for 2 s (hung" in hung["cause"], hung
+    assert hung["state"] == "stopped" and "made no progress for 10 s (hung" in hung["cause"], hung
     assert other["state"] == "done" and hung["rows"] + other["rows"] == N
     assert pq.read_table(tmp_path / "out.parquet").to_pylist() == reference
     assert not Path(f"/proc/{stopped[0]}").exists() or "Z" in Path(f"/proc/{stopped[0]}/stat").read_text().split()[2]
@@ -129,7 +129,7 @@ def test_a_worker_that_never_loads_stops_the_job_before_any_row(job, tmp_path):
     """A worker stopped (SIGSTOP) while it loads sends nothing, not even `loading`: after
     --worker-timeout the job stops with one sentence naming the fix instead of waiting for
     it forever, and the worker is gone. A worker that loads for longer than that keeps
-    sending `loading` (the other tests load for longer than their 2 s timeouts)."""
+    sending `loading`."""
     from relaycli.parallel.job import in_flight_window, worker_spec
     from relaycli.parallel.pool import WorkerPool
     d, _ = job
