@@ -5,11 +5,10 @@ The engine's input is a stream the parent keeps topped up, so its batches stay f
 BEAT_SECONDS a thread sends the engine's counters: the parent sees that the engine still
 makes progress (a worker that stops stepping with rows in hand is hung, and is replaced),
 and a worker that dies mid-job still leaves its counters in the job's statistics. While
-the model loads the thread sends `loading`: a worker silent for the parent's stall
-time while loading (a stopped process) is hung. The
-worker ignores Ctrl-C (the terminal sends it to every process of the job: the parent
-decides how the job stops) and exits at once when its parent is gone (a kill -9), so a
-`--resume` does not find it still holding the device.
+the model loads it sends `loading` instead: a loading worker silent for the parent's stall
+time (a stopped process) is hung. The worker ignores Ctrl-C (the terminal sends it to
+every process of the job: the parent decides how the job stops) and exits at once when
+its parent is gone (a kill -9), so a `--resume` does not find it still holding the device.
 """
 
 from __future__ import annotations
@@ -128,20 +127,18 @@ def main(spec_text: str, rows_conn, results_conn) -> None:
     outbox = _Outbox(results_conn)
     loading, loaded = _beating(outbox, None)
     try:
-        engine, artifacts = _load(spec)
+        try:
+            engine, artifacts = _load(spec)
+        finally:
+            loaded.set()
+            loading.join()  # no `loading` message follows `ready` or `failed`
     except RelayError as exc:
-        loaded.set()
-        loading.join()
         outbox.send({"type": "failed", "refusal": True, "message": str(exc)})
         return
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which names the worker
-        loaded.set()
-        loading.join()
         traceback.print_exc()
         outbox.send({"type": "failed", "refusal": False, "message": _failure(exc)})
         raise SystemExit(1)
-    loaded.set()
-    loading.join()  # no `loading` message follows `ready`
     inbox = _Inbox(rows_conn)
     try:
         outbox.send(_ready(engine, artifacts))
