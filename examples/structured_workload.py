@@ -1,6 +1,7 @@
 """Request files that measure what structured answers cost, as `relay run` inputs:
 
   plain.jsonl        ROWS rows, unconstrained
+  json.jsonl         the same rows, each with the same small JSON schema
   constrained.jsonl  the same rows, each with a JSON schema (a third), a regex (a third) or choices
   logprobs.jsonl     the same rows, each asking for logprobs with 5 alternatives
   n4.jsonl           ROWS / 4 rows asking for n = 4
@@ -44,6 +45,7 @@ def write(out: Path, rows: int, max_tokens: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     files = {
         "plain": [_base(i, max_tokens) for i in range(rows)],
+        "json": [{**_base(i, max_tokens), "json_schema": SCHEMA} for i in range(rows)],
         "constrained": [{**_base(i, max_tokens), **_constraint(i)} for i in range(rows)],
         "logprobs": [{**_base(i, max_tokens), "logprobs": True, "top_logprobs": 5} for i in range(rows)],
         "n4": [{**_base(i, max_tokens), "n": 4} for i in range(rows // 4)],

@@ -70,6 +70,7 @@ def run_job(say: Say, name: str, work: Path, rows: Path, prompts: list[Path], *e
            "eager_reasons": st["eager_reasons"], "decode_step_p50_ms": round(1e3 * (st["decode_step_p50_seconds"] or 0), 3),
            "ttft_p50_seconds": st["ttft_p50_seconds"] and round(st["ttft_p50_seconds"], 3),
            "decode_seconds": round(st["decode_seconds"], 2), "prefill_seconds": round(st["prefill_seconds"], 2),
+           "prefill_steps": st["prefill_steps"], "prefill_tokens": st["prefill_tokens"],
            "device_wait_seconds": round(st["device_wait_seconds"], 2), "prefix_hits": st["prefix_hits"],
            "prefix_misses": st["prefix_misses"], "prompt_fallbacks": st.get("prompt_fallbacks"),
            "load_seconds": round(s["load_seconds"], 2), "triton_kernels_compiled": s["triton_kernels_compiled"],
