@@ -9,12 +9,36 @@ thread release the GIL, so the two overlap. Rows come out in the order they went
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import sys
 import threading
 from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
+
+# How long a thread running Python keeps the GIL once another thread asks for it, while an
+# engine runs (Python's default is 5 ms).
+GIL_SLICE_SECONDS = 0.0005
+
+
+@contextlib.contextmanager
+def short_gil_slices() -> Iterator[None]:
+    """While an engine runs: the GIL passes between threads every GIL_SLICE_SECONDS.
+
+    The engine's thread releases the GIL while it waits for the device, and needs it back
+    the moment the step ends, to read the tokens and launch the next step. Meanwhile the
+    prefetch stage renders chats and the writer builds parts, both in Python: at Python's
+    default slice, either can hold the GIL for 5 ms after the engine asks for it, longer
+    than a small model's whole decode step, so the device waits. The previous value is
+    restored on exit."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, GIL_SLICE_SECONDS))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class Feed(Generic[T]):
