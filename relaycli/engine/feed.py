@@ -3,8 +3,9 @@
 The engine's thread should only schedule and launch steps. Reading, validating, rendering
 and tokenizing rows is host work of its own, so `Prefetch` runs it on a thread ahead of
 the engine, in a bounded queue: the engine takes what is ready and waits only when it
-has nothing else to do. The tokenizer's Rust core and the device waits of the engine's
-thread release the GIL, so the two overlap. Rows come out in the order they went in.
+has nothing else to do. The engine's thread releases the GIL while it waits for the
+device, so the two overlap; the stage's rendering and tokenizing hold it, in short slices
+(short_gil_slices). Rows come out in the order they went in.
 """
 
 from __future__ import annotations
