@@ -150,7 +150,8 @@ def run_ray_job(opts: JobOptions, quiet: bool = False) -> dict:
     kwargs = predictor_kwargs(opts)
     state = checkpoint_dir(out)
     _bind_output(opts, out, state, _record(opts, source, kwargs))
-    skipped = _checkpointed_rows(state / "ids")
+    ids = state / "ids"  # Ray Data's checkpoint: the row ids already written
+    skipped = _checkpointed_rows(ids)
     import ray
     from ray.data.checkpoint import CheckpointConfig
 
@@ -171,11 +172,10 @@ def run_ray_job(opts: JobOptions, quiet: bool = False) -> dict:
             setattr(ctx, key, False)
         data_log.setLevel(logging.ERROR)  # also its notice that the bars are off
     ctx.execution_options.preserve_order = True  # each file of the dataset holds its rows in input order
-    ctx.checkpoint_config = CheckpointConfig(id_column="row_index", checkpoint_path=str(state.resolve() / "ids"),
+    ctx.checkpoint_config = CheckpointConfig(id_column="row_index", checkpoint_path=str(ids.resolve()),
                                              delete_checkpoint_on_success=False)
     try:
         rows_in = RequestDatasource(source, min_blocks=max(gpus, 1))
-        ids = state / "ids"
         filtered = ids.is_dir() and any(ids.iterdir())  # Ray Data then adds its checkpoint filter's actor
         # Reading and writing take no CPU of Ray's count: on a small machine the actors (the
         # predictors, and on resuming Ray's checkpoint filter) would otherwise hold every CPU
