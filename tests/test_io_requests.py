@@ -216,6 +216,11 @@ def test_structured_fields_are_read():
     assert (row.constraint.kind, row.constraint.source, row.constraint.field) == (
         "json_schema", {"type": "object"}, "response_format")
     assert row.constraint.strict
+    # a schema without `strict` is kept strictly, as relay's own `json_schema` field is
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert ok({"prompt": "x", "response_format": rf}).constraint.strict
+    rf["json_schema"]["strict"] = False
+    assert not ok({"prompt": "x", "response_format": rf}).constraint.strict
     assert ok({"prompt": "x", "logprobs": True}).sampling.logprobs == 0
     assert ok({"prompt": "x", "logprobs": 0}).sampling.logprobs == 0  # the completions endpoint's form
     assert ok({"prompt": "x", "response_format": {"type": "json_object"}}).constraint.kind == "json_object"

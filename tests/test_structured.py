@@ -92,6 +92,9 @@ def test_json_schema_rows_that_stop_parse_and_validate(answers):
     obj = answers["openai-object"]
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.text), dict)
+    # JSON stays on one line (no indentation to pay tokens for), json_object's included
+    for key in [f"schema{i}" for i in range(len(SCHEMAS))] + ["openai-schema", "openai-object", "cut"]:
+        assert answers[key].text.startswith("{") and "\n" not in answers[key].text, (key, answers[key].text)
 
 
 def test_choices_regex_and_grammar_rows_hold(answers):

@@ -105,7 +105,7 @@ def _response_format(rf: Any) -> ConstraintSpec | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
             raise StructuredError("'response_format.json_schema' must be an object holding 'schema'; add the schema")
-        strict = js.get("strict", False)
+        strict = js.get("strict", True)  # a schema given is a schema kept: `strict: false` opts out
         if not isinstance(strict, bool):
             raise StructuredError(f"'response_format.json_schema.strict' must be true or false, got {_show(strict)}")
         return ConstraintSpec("json_schema", _schema(js["schema"], "response_format.json_schema.schema"),
