@@ -16,7 +16,7 @@ from relaycli.config import EngineConfig
 from relaycli.engine.completions import Completion, Group, completion_of, result_row, row_sequences
 from relaycli.engine.block_manager import BlockManager
 from relaycli.engine.constraints import ConstraintError, Grammars
-from relaycli.engine.feed import Feed, Prefetch, feed_of, short_gil_slices
+from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
 from relaycli.engine.module_prefixes import ModulePrefixes, path_tokens
@@ -193,23 +193,22 @@ class Engine:
                         on_step: Callable[[EngineStats], None] | None = None) -> Iterator[ResultRow]:
         feed = feed_of(requests)
         self._last_read = None  # a step of an earlier call is no start for this one's first step
-        with short_gil_slices():
-            while True:
-                room = self.config.max_pending_rows - self.scheduler.num_unfinished
-                if room > 0 and not feed.exhausted:
-                    idle = self.scheduler.num_unfinished == 0 and self._pending is None
-                    for item in feed.take(room, wait=idle):
-                        err = item if isinstance(item, ResultRow) else self._admit(item)
-                        if err is not None:
-                            yield self._count(err)
-                if self.scheduler.num_unfinished == 0 and self._pending is None:
-                    if feed.exhausted:
-                        return
-                    continue
-                for result in self._step():
-                    yield self._count(result)
-                if on_step is not None:
-                    on_step(self.stats)
+        while True:
+            room = self.config.max_pending_rows - self.scheduler.num_unfinished
+            if room > 0 and not feed.exhausted:
+                idle = self.scheduler.num_unfinished == 0 and self._pending is None
+                for item in feed.take(room, wait=idle):
+                    err = item if isinstance(item, ResultRow) else self._admit(item)
+                    if err is not None:
+                        yield self._count(err)
+            if self.scheduler.num_unfinished == 0 and self._pending is None:
+                if feed.exhausted:
+                    return
+                continue
+            for result in self._step():
+                yield self._count(result)
+            if on_step is not None:
+                on_step(self.stats)
 
     def _count(self, result: ResultRow) -> ResultRow:
         self.stats.count_result(result)

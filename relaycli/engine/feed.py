@@ -4,42 +4,17 @@ The engine's thread should only schedule and launch steps. Reading, validating, 
 and tokenizing rows is host work of its own, so `Prefetch` runs it on a thread ahead of
 the engine, in a bounded queue: the engine takes what is ready and waits only when it
 has nothing else to do. The engine's thread releases the GIL while it waits for the
-device, so the two overlap; the stage's rendering and tokenizing hold it, in short slices
-(short_gil_slices). Rows come out in the order they went in.
+device, so the two overlap. Rows come out in the order they went in.
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
-import sys
 import threading
 from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
-
-# How long a thread running Python keeps the GIL once another thread asks for it, while an
-# engine runs (Python's default is 5 ms).
-GIL_SLICE_SECONDS = 0.0005
-
-
-@contextlib.contextmanager
-def short_gil_slices() -> Iterator[None]:
-    """While an engine runs: the GIL passes between threads every GIL_SLICE_SECONDS.
-
-    The engine's thread releases the GIL while it waits for the device, and needs it back
-    the moment the step ends, to read the tokens and launch the next step. Meanwhile the
-    prefetch stage renders chats and the writer builds parts, both in Python: at Python's
-    default slice, either can hold the GIL for 5 ms after the engine asks for it, longer
-    than a small model's whole decode step, so the device waits. The previous value is
-    restored on exit."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, GIL_SLICE_SECONDS))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 class Feed(Generic[T]):
