@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from relaycli.kernels.compile_log import CompileLog
-from relaycli.models.registry import LoadedModel, load_model
+from relaycli.kernels.compile_log import CompileLog, prepare_cache_key
+from relaycli.models.registry import LoadedModel, load_model, resolve_device
 from relaycli.artifact import dtype_name
 from relaycli.compile import load_checked
 from relaycli.config import EngineConfig
@@ -209,6 +209,11 @@ def _first_constraints(source: RequestSource, defaults: RequestDefaults, skip: R
     return list(specs.values())
 
 
+def uses_triton(opts: JobOptions) -> bool:
+    """The job's attention may run Triton kernels: a CUDA device and an impl of auto or triton."""
+    return opts.engine.attention_impl in ("auto", "triton") and resolve_device(opts.device).type == "cuda"
+
+
 def _import_quietly(name: str) -> None:
     try:
         importlib.import_module(name)
@@ -224,6 +229,8 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
     constrained = _first_constraints(source, opts.defaults, done)
     if constrained:  # xgrammar's import (most of its start) runs while the model loads
         threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
+    if loaded is None and uses_triton(opts):  # so does Triton's one-time cache key
+        threading.Thread(target=prepare_cache_key, daemon=True).start()
     if loaded is None:
         loaded = load_model(opts.model, opts.dtype, opts.device)
     artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]

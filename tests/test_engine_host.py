@@ -3,6 +3,7 @@ as tokens arrive (against decoding the whole output every token)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -120,6 +121,21 @@ def test_compile_log_counts_compiles_and_cache_loads_and_chains_the_listener_bef
         assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
     finally:
         knobs.compilation.listener = before
+
+
+def test_tritons_cache_key_is_made_beforehand_and_only_for_jobs_that_may_run_triton():
+    cache = pytest.importorskip("triton.runtime.cache")
+    from pathlib import Path
+
+    from relaycli.config import EngineConfig
+    from relaycli.job import JobOptions, uses_triton
+    from relaycli.kernels.compile_log import prepare_cache_key
+    cache.triton_key.cache_clear()
+    prepare_cache_key()
+    assert cache.triton_key.cache_info().currsize == 1  # the first launch finds it made
+    job = JobOptions(Path("in.jsonl"), Path("out.parquet"), device="cpu")
+    assert not uses_triton(job)
+    assert not uses_triton(dataclasses.replace(job, device=None, engine=EngineConfig(attention_impl="torch")))
 
 
 def test_write_behind_writes_in_order_on_its_thread_and_raises_a_failed_write_on_the_callers():
