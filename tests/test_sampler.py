@@ -182,6 +182,27 @@ def test_draw_seeds_is_draw_seed_for_every_pair():
     assert draw_seeds(seeds, draws).tolist() == [draw_seed(s, d) for s, d in zip(seeds, draws)]
 
 
+def test_packed_params_follow_every_steps_draws_and_every_new_batch():
+    """The Triton kernels' params, packed again only for a batch of other options, equal a
+    fresh packing at every step."""
+    import pytest
+    triton_sampler = pytest.importorskip("relaycli.kernels.triton_sampler")
+
+    def fresh(opts, draws, vocab):
+        return triton_sampler.pack_params(draw_seeds([o.seed for o in opts], draws),
+                                          [min(o.top_k or vocab, vocab) for o in opts],
+                                          [o.temperature for o in opts], [o.top_p for o in opts])
+
+    sampler = Sampler(torch.device("cpu"), "triton")
+    batch = [SamplingOptions(max_tokens=8, temperature=0.5 + i / 10, top_p=0.9, top_k=None if i % 2 else 7,
+                             seed=1000 * i - 3) for i in range(5)]
+    steps = [(batch, [0] * 5, 100), (batch, [1, 2, 3, 4, 5], 100), (batch, [2, 3, 4, 5, 6], 5),
+             (batch[1:] + [SamplingOptions(max_tokens=8, temperature=0.9, seed=77)], [3, 4, 5, 6, 0], 5),
+             (batch[:2], [9, 9], 5)]
+    for opts, draws, vocab in steps:
+        assert torch.equal(sampler.packed_params(opts, draws, vocab), fresh(opts, draws, vocab))
+
+
 def test_cpu_sampler_filters_a_large_vocabulary_without_sorting_it(monkeypatch):
     """A 49k-token vocabulary on the CPU: top-k/top-p rows go through the partial sort (no
     torch.sort), and each draw is a token of the row's reference kept set."""

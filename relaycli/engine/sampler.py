@@ -116,8 +116,11 @@ def draw_seed(seed: int, draw: int) -> int:
 def draw_seeds(seeds: list[int], draws: list[int]) -> np.ndarray:
     """draw_seed of each (seed, draw) pair as int64, in one pass of numpy's wrapping uint64
     arithmetic (a decode step of 256 sampled rows would otherwise mix 256 seeds in Python)."""
-    s = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
-    d = np.array(draws, dtype=np.uint64)
+    return _mix(np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64), np.array(draws, dtype=np.uint64))
+
+
+def _mix(s: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """draw_seeds of seeds already masked to uint64 words."""
     with np.errstate(over="ignore"):
         z = s * np.uint64(_SEED_MUL) + (d + np.uint64(1)) * np.uint64(_DRAW_MUL)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
@@ -137,6 +140,28 @@ class Sampler:
         if kernel not in self.KERNELS:
             raise ValueError(f"sampler kernel must be one of {self.KERNELS}, got {kernel!r}")
         self.device, self.kernel = device, kernel
+        # the last batch's options (kept alive, so their ids stay theirs) and their packed
+        # columns: a decode step's rows change only when rows join or leave
+        self._batch_key: tuple | None = None
+        self._batch: list[SamplingOptions] = []
+        self._seed_words = np.empty(0, dtype=np.uint64)
+        self._columns = np.empty((0, 4), dtype=np.int64)
+
+    def packed_params(self, options: list[SamplingOptions], draws: list[int], vocab: int) -> torch.Tensor:
+        """The Triton kernels' [B, 4] int64 host params (triton_sampler.pack_params) of this
+        step: each row's seed mixed with its draw, its top-k, temperature and top-p. The
+        other columns are packed again only when the batch's options are other objects."""
+        from relaycli.kernels import triton_sampler
+        key = (vocab, *map(id, options))
+        if key != self._batch_key:
+            self._batch_key, self._batch = key, list(options)
+            self._seed_words = np.array([o.seed & _MASK64 for o in options], dtype=np.uint64)
+            self._columns = triton_sampler.pack_params(
+                np.zeros(len(options), dtype=np.int64), [min(o.top_k or vocab, vocab) for o in options],
+                [o.temperature for o in options], [o.top_p for o in options]).numpy()
+        params = self._columns.copy()
+        params[:, 0] = _mix(self._seed_words, np.array(draws, dtype=np.uint64))
+        return torch.from_numpy(params)
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> list[int]:
         """logits [B, V] (fp32, bf16 or fp16) -> one token id per row (waits for the device)."""
@@ -158,10 +183,7 @@ class Sampler:
             vocab = logits.shape[-1]
             if masked:  # the kernels' threshold search takes finite values only
                 logits = floor_masked(logits, masked, [options[b].temperature for b in masked])
-            params = triton_sampler.pack_params(
-                draw_seeds([o.seed for o in options], draws), [min(o.top_k or vocab, vocab) for o in options],
-                [o.temperature for o in options], [o.top_p for o in options])
-            return triton_sampler.sample(logits, stage(params, logits.device))
+            return triton_sampler.sample(logits, stage(self.packed_params(options, draws, vocab), logits.device))
         return self._sample_torch(logits, options, draws)
 
     def _sample_torch(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:

@@ -19,9 +19,10 @@ class SequenceStatus(enum.Enum):
 GREEDY_BELOW = 1e-20
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingOptions:
-    """What the sampler and the stop rules need (a view of the row's SamplingParams)."""
+    """What the sampler and the stop rules need (a view of the row's SamplingParams).
+    Frozen: the sampler keeps a batch's packed options while the same objects come back."""
 
     max_tokens: int
     temperature: float = 0.0
@@ -34,7 +35,7 @@ class SamplingOptions:
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW:
-            self.temperature = 0.0
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def is_greedy(self) -> bool:
