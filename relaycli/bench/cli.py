@@ -1,6 +1,5 @@
 """`relay bench`: the typer sub-app (the only part of relaycli.bench that prints).
 
-    relay bench                 a short default of both (about a minute on CPU)
     relay bench kernels [...]   decode attention: relay vs --no-relay vs per-request SDPA
     relay bench e2e [...]       whole engine: relay vs --no-relay vs transformers generate
     relay bench e2e --through-run   the same rows through `relay run`, beside the engine alone
@@ -8,7 +7,9 @@
     relay bench soak [...]      a job stopped and resumed again and again; outputs as uninterrupted
     relay bench modules [...]   prompt modules: TTFT against full prefill, independent agreement
     relay bench jobs [PART ...] whole `relay run` jobs on a CUDA machine (relaycli/bench/jobs.py)
+    relay bench show FILE ...   the tables of saved results again
 
+`relay bench` alone prints this list (its help); every option belongs to a subcommand.
 Options left out take defaults that depend on the device (small on CPU).
 """
 
@@ -22,8 +23,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-bench_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
-                        help="Benchmarks: throughput (e2e) and attention kernels, with a roofline.")
+bench_app = typer.Typer(no_args_is_help=True,
+                        help="Benchmarks: reproducible comparisons of relay against its baselines; "
+                             "pick a subcommand.")
 _err = Console(stderr=True)
 
 
@@ -32,14 +34,11 @@ def _out() -> Console:
     return out if out.is_terminal else Console(width=200)
 
 
-def default_e2e(cuda: bool, short: bool = False) -> dict:
+def default_e2e(cuda: bool) -> dict:
     """Defaults: a one-minute run on CPU; on CUDA the acceptance model at moderate size."""
     if not cuda:
         return dict(model="dummy:tiny", requests=16, system_tokens=[0, 512, 2048], max_batch=[16],
                     max_output_len=128)
-    if short:
-        return dict(model="dummy:llama2-7b", requests=128, system_tokens=[2048, 8192], max_batch=[64],
-                    hf_requests=32, max_output_len=256)
     return dict(model="dummy:llama2-7b", requests=256, system_tokens=[0, 2048, 8192], max_batch=[64],
                 hf_requests=64)
 
@@ -126,12 +125,12 @@ def _given(model, workload, requests, system_tokens, max_batch, systems, max_out
 
 
 def _e2e(model, workload, requests, system_tokens, max_batch, systems, dtype, device, seed, max_output_len,
-         hf_requests, kv_cache_gb, quiet, short=False, sampling: dict | None = None, repeats: int = 1) -> dict:
+         hf_requests, kv_cache_gb, quiet, sampling: dict | None = None, repeats: int = 1) -> dict:
     from relaycli.bench.e2e import E2EOptions, run_e2e
     given = _given(model, workload, requests, system_tokens, max_batch, systems, max_output_len)
     if hf_requests is not None:
         given["hf_requests"] = hf_requests
-    opts = {**default_e2e(_is_cuda(device), short), **given}
+    opts = {**default_e2e(_is_cuda(device)), **given}
     report = run_e2e(E2EOptions(**opts, dtype=dtype, device=device, seed=seed, kv_cache_gb=kv_cache_gb,
                                 repeats=repeats, **(sampling or {})), _progress(quiet))
     _print_e2e(report)
@@ -193,21 +192,6 @@ _SEED = typer.Option(0, "--seed", help="Seed of the workload lengths, token ids 
 _QUIET = typer.Option(False, "--quiet", help="Only the table.")
 _THREADS = typer.Option(None, "--threads", help="torch intra-op threads (CPU); default: torch's own choice.")
 _SYS = typer.Option(None, "--system-tokens", help="System-prompt lengths, comma-separated, e.g. 0,512,2048,8192,16384.")
-
-
-@bench_app.callback()
-def bench_main(ctx: typer.Context, json_path: Optional[Path] = _JSON, plot_path: Optional[Path] = _PLOT,
-               dtype: Optional[str] = _DTYPE, device: Optional[str] = _DEVICE, seed: int = _SEED,
-               threads: Optional[int] = _THREADS, quiet: bool = _QUIET) -> None:
-    """Without a subcommand: a short default of `kernels` then `e2e`."""
-    if ctx.invoked_subcommand is not None:
-        return
-    with _refusals(threads):
-        _check_outputs(json_path, plot_path)
-        reports = [_kernels(None, None, None, None, dtype, device, seed, quiet),
-                   _e2e(None, "sharegpt", None, None, None, None, dtype, device, seed, None, None, None, quiet,
-                        short=True)]
-        _save(reports[::-1], json_path, plot_path, quiet)
 
 
 @bench_app.command("e2e")
@@ -302,10 +286,12 @@ def volume_cmd(
 
 @bench_app.command("soak")
 def soak_cmd(
-    minutes: float = typer.Option(30.0, "--minutes", help="How long to keep stopping and resuming jobs."),
+    minutes: float = typer.Option(30.0, "--minutes", help="How long the whole soak runs, its reference run included; "
+                                  "at the end the run in flight is stopped and its saved rows checked."),
     rows: int = typer.Option(400, "--rows", help="Rows of the job."),
-    pause: Optional[float] = typer.Option(None, "--pause", help="Mean seconds a run lives before it is stopped "
-                                          "(default: a third of the uninterrupted run)."),
+    pause: Optional[float] = typer.Option(None, "--pause", help="Mean seconds a run lives after it saves its first "
+                                          "answers, before it is stopped (default: a third of the uninterrupted "
+                                          "run's answering time)."),
     model: str = typer.Option("dummy:tiny", "--model", help="The model of the runs."),
     max_batch: int = typer.Option(16, "--max-batch", help="Sequences in flight."),
     seed: int = typer.Option(0, "--seed", help="Seed of the rows and of the stop times."),
@@ -313,44 +299,69 @@ def soak_cmd(
     json_path: Optional[Path] = _JSON,
     quiet: bool = _QUIET,
 ) -> None:
-    """Stop a job by SIGTERM or SIGKILL again and again and resume it, for --minutes: every
-    finished output must equal an uninterrupted run's."""
-    from relaycli.bench.soak import SoakOptions, run_soak, soak_table
+    """A job stopped and resumed again and again: every output as uninterrupted.
+
+    Stops the job by SIGTERM or SIGKILL and resumes it, for --minutes: every finished
+    output must equal an uninterrupted run's."""
+    import signal
+
+    from relaycli.bench.soak import SoakOptions, SoakStopped, run_soak, soak_table
     with _refusals():
         _check_outputs(json_path, None)
         opts = SoakOptions(minutes=minutes, rows=rows, pause=pause, model=model, max_batch=max_batch, seed=seed)
-        report = run_soak(opts, keep, _progress(quiet))
+        try:
+            report = run_soak(opts, keep, _progress(quiet))
+        except (KeyboardInterrupt, SoakStopped) as exc:
+            signum = exc.signum if isinstance(exc, SoakStopped) else signal.SIGINT
+            files = f"its files are in {keep}" if keep is not None else "its temporary folder is removed"
+            _err.print(f"[yellow]stopped ({signal.Signals(signum).name}):[/yellow] the soak ended early; "
+                       f"{escape(files)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(128 + signum) from None
         _out().print(soak_table(report))
         _save([report], json_path, None, quiet)
 
 
+# What `relay bench show` prints: each kind with the table its subcommand prints.
+_SHOWN = "e2e, e2e --through-run, kernels, volume, soak and modules --json files and the jobs.json of relay bench jobs"
+
+
+def _read_results(path: Path) -> list[dict]:
+    """The reports of one saved file: a --json file (one report or {"kind": "bench",
+    "reports": [...]}) or the list of job rows `relay bench jobs` writes."""
+    import json
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read it as JSON ({exc})") from None
+    if isinstance(data, list) and data and all(isinstance(r, dict) and "job" in r for r in data):
+        return [{"kind": "jobs", "rows": data}]
+    found = data.get("reports", [data]) if isinstance(data, dict) else []
+    kinds = ("e2e", "kernels", "e2e-through-run", "volume", "soak", "modules", "jobs")
+    if not found or any(not isinstance(r, dict) or r.get("kind") not in kinds for r in found):
+        raise ValueError(f"{path} is not a relay bench result; relay bench show reads the {_SHOWN}")
+    return found
+
+
 @bench_app.command("show")
 def show_cmd(
-    paths: list[Path] = typer.Argument(..., help="JSON files written by relay bench --json."),
-    plot_path: Optional[Path] = _PLOT,
+    paths: list[Path] = typer.Argument(..., help="Files written by relay bench: the --json files of e2e, kernels, "
+                                       "volume, soak and modules, and jobs.json of relay bench jobs."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of throughput against "
+                                             "system-prompt length here (e2e and kernels results)."),
     json_path: Optional[Path] = _JSON,
 ) -> None:
-    """Print saved runs again, e.g. ones made on a GPU machine; e2e runs of one model,
-    dtype and workload are joined (rows of several --system-tokens runs make one line)."""
-    import json
+    """Print saved results again, each in the table of the subcommand that wrote it.
 
-    from relaycli.bench.report import kernels_table, merge_reports
+    E.g. runs made on a GPU machine; e2e runs of one model, dtype and workload are joined
+    (rows of several --system-tokens runs make one line)."""
+    from relaycli.bench.report import jobs_table, kernels_table, merge_reports, modules_tables
     with _refusals():
         _check_outputs(json_path, plot_path)
-        reports = []
-        for path in paths:
-            try:
-                data = json.loads(Path(path).read_text())
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"{path}: cannot read it as relay bench JSON ({exc})") from None
-            found = data.get("reports", [data]) if isinstance(data, dict) else []
-            kinds = ("e2e", "kernels", "e2e-through-run", "volume", "soak")
-            if not found or any(not isinstance(r, dict) or r.get("kind") not in kinds for r in found):
-                raise ValueError(f"{path}: not a file written by relay bench --json")
-            reports += found
+        reports = [rep for path in paths for rep in _read_results(path)]
         reports = merge_reports(reports)
-        if plot_path is not None and any(rep["kind"] == "e2e-through-run" for rep in reports):
-            raise ValueError("--plot draws engine-only runs; drop --plot for --through-run results")
+        drawn = [rep["kind"] for rep in reports if rep["kind"] not in ("e2e", "kernels")]
+        if plot_path is not None and drawn:
+            raise ValueError(f"--plot draws e2e and kernels results; drop --plot for the {drawn[0]} results")
         for rep in reports:
             if rep["kind"] == "e2e":
                 _print_e2e(rep)
@@ -362,6 +373,10 @@ def show_cmd(
             elif rep["kind"] == "soak":
                 from relaycli.bench.soak import soak_table
                 _out().print(soak_table(rep))
+            elif rep["kind"] == "modules":
+                _out().print(*modules_tables(rep))
+            elif rep["kind"] == "jobs":
+                _out().print(jobs_table(rep))
             else:
                 _out().print(kernels_table(rep))
         _save(reports, json_path, plot_path, False)
@@ -375,11 +390,12 @@ def modules_cmd(
     threads: Optional[int] = _THREADS,
     json_path: Optional[Path] = _JSON,
 ) -> None:
-    """Prompt modules on the default model (fp32, CPU): time to first token with a library
-    vs full prefill of the same tokens; independent modules' teacher-forced greedy agreement."""
-    import json
+    """Prompt modules: time to first token against full prefill, independent agreement.
 
+    On the default model (fp32, CPU): time to first token with a library vs full prefill
+    of the same tokens; independent modules' teacher-forced greedy agreement."""
     from relaycli.bench.modules import independent_agreement, ttft
+    from relaycli.bench.report import modules_tables
     from relaycli.io.parts import write_json
     from relaycli.models.registry import load_model
     with _refusals(threads):
@@ -387,7 +403,7 @@ def modules_cmd(
         loaded = load_model(None, "float32", "cpu")
         report = {"kind": "modules", "ttft": ttft(loaded, module_tokens),
                   "independent": independent_agreement(loaded, docs_per_union, answer_tokens)}
-        _out().print(json.dumps(report, indent=2), highlight=False)
+        _out().print(*modules_tables(report))
         if json_path is not None:
             write_json(json_path, report)
 
@@ -397,13 +413,15 @@ def jobs_cmd(
     parts: Optional[list[str]] = typer.Argument(None, help="examples | mixed | cold | modules (default: examples mixed)."),
     out: Path = typer.Option(Path("out"), "--out", help="Folder for jobs.json."),
 ) -> None:
-    """Whole `relay run` jobs through the CLI, each in its own process, relay against
-    --no-relay (relaycli/bench/jobs.py says what each part runs); from a checkout."""
+    """Whole `relay run` jobs on a CUDA GPU, relay against --no-relay.
+
+    Each job runs through the CLI in its own process (relaycli/bench/jobs.py says what
+    each part runs); from a checkout."""
     import json
 
     from relaycli.bench.jobs import run_parts
     try:
         run_parts(parts or ["examples", "mixed"], out, lambda row: _out().print(json.dumps(row), highlight=False))
     except ValueError as exc:
-        _err.print(f"error: {escape(str(exc))}")
+        _err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

@@ -207,12 +207,22 @@ def modules(work: Path, say: Say) -> list[dict]:
     return results
 
 
+def _has_cuda() -> bool:
+    """A CUDA GPU is there: the jobs (2,000-row jobs, bf16 8B-shaped dummy models, CUDA
+    graphs) are sized for one and have no CPU mode."""
+    import torch
+    return torch.cuda.is_available()
+
+
 def run_parts(parts: list[str], out: Path, say: Say) -> list[dict]:
     """Run the parts in order, each job's row given to say as it ends; out/jobs.json holds
     them all, rewritten after each part."""
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"unknown part {unknown[0]!r}; the parts are {', '.join(PARTS)}")
+    if not _has_cuda():
+        raise ValueError("relay bench jobs needs a CUDA GPU and this machine has none; run it on a CUDA machine "
+                         "(relay bench e2e --through-run measures relay run on any device)")
     if not (ROOT / "examples/system_prompt.txt").is_file():
         raise ValueError("relay bench jobs reads the repository's examples/; run it from a checkout")
     out.mkdir(parents=True, exist_ok=True)

@@ -168,6 +168,51 @@ def kernels_table(report: dict) -> Table:
     return t
 
 
+def modules_tables(report: dict) -> list[Table]:
+    """`relay bench modules`: time to first token with a module library against full
+    prefill of the same tokens, then independent modules' agreement with full prefill."""
+    t = report["ttft"]
+    ttft = Table(title=f"prompt modules: time to first token, {t['module_tokens']:,} module tokens of "
+                       f"{t['prompt_tokens']:,} ({t['threads']} threads)", title_justify="left")
+    for col in ("library, first row (s)", "library, later rows (s)", "full prefill (s)", "x full prefill, first",
+                "x full prefill, later"):
+        ttft.add_column(col, justify="right")
+    ttft.add_row(f"{t['relay_cold_s']:.3f}", f"{t['relay_warm_s']:.3f}", f"{t['full_prefill_s']:.3f}",
+                 f"{t['speedup_cold']:.2f}", f"{t['speedup_warm']:.2f}")
+    i = report["independent"]
+    agree = Table(title=f"independent modules: greedy agreement with full prefill, teacher-forced "
+                        f"({i['pairs']} pairs, {i['answer_tokens']:,} answer tokens)", title_justify="left")
+    for col in ("agreement", "first token", "control (no modules)"):
+        agree.add_column(col, justify="right")
+    agree.add_row(f"{100 * i['agreement']:.1f}%", f"{100 * i['first_token_agreement']:.1f}%",
+                  f"{100 * i['control_agreement']:.1f}%")
+    return [ttft, agree]
+
+
+def jobs_table(report: dict) -> Table:
+    """`relay bench jobs`' rows, one a job; x no-relay: a job's rows/s over those of its
+    --no-relay twin (the job of the same name with -no-relay in it)."""
+    rows = report["rows"]
+    rate = {r["job"]: r.get("rows_per_second") for r in rows}
+    t = Table(title="relay bench jobs: whole relay run jobs", title_justify="left")
+    for col in ("job", "rows", "errors", "process (s)", "job (s)", "rows/s", "x no-relay", "decode steps (graphed)",
+                "step p50 (ms)", "prefill (s)", "prefix hits / misses", "Triton kernels compiled (s)"):
+        t.add_column(col, justify="left" if col == "job" else "right")
+    for r in rows:
+        twin = next((rate[n] for n in (r["job"] + "-no-relay", r["job"].replace("-cold", "-no-relay-cold"))
+                     if n != r["job"] and rate.get(n)), None)
+        own = r.get("rows_per_second")
+        steps, hits, kernels = r.get("decode_steps"), r.get("prefix_hits"), r.get("triton_kernels_compiled")
+        t.add_row(r["job"], _fmt(r.get("rows"), ","), _fmt(r.get("errors"), "d"), _fmt(r.get("process_seconds"), ".2f"),
+                  _fmt(r.get("job_seconds"), ".2f"), _fmt(own, ".1f"),
+                  _fmt(own / twin if own and twin else None, ".2f"),
+                  "-" if steps is None else f"{steps:,} ({r['graphed_decode_steps']:,})",
+                  _fmt(r.get("decode_step_p50_ms"), ".2f"), _fmt(r.get("prefill_seconds"), ".2f"),
+                  "-" if hits is None else f"{hits:,} / {r['prefix_misses']:,}",
+                  "-" if kernels is None else f"{kernels} ({r['triton_compile_seconds']:.1f})")
+    return t
+
+
 def ttft_stats(values: list[float]) -> dict:
     """Mean, median and 90th percentile of times to first token (seconds)."""
     s = sorted(values)
