@@ -159,6 +159,16 @@ def _bad(path: Path, what: str) -> ArtifactError:
     return ArtifactError(f"{path}: {what}; the file is damaged or not made by relay, recompile it")
 
 
+def _not_artifact(path: Path, why: str) -> ArtifactError:
+    """A file that holds no artifact at all: most often a system prompt's text given where
+    its compiled .relaykv belongs, so the fix names the command that makes one."""
+    if path.suffix.lower() == ".relaykv":
+        return ArtifactError(f"{path}: truncated or not a .relaykv artifact ({why}); recompile it from its system "
+                             f"prompt: relay compile-prompt SYS_TXT --out {path}")
+    return ArtifactError(f"{path}: not a .relaykv artifact ({why}); if it is a system prompt, compile it first "
+                         f"(relay compile-prompt {path}) and use {path.with_suffix('.relaykv')}")
+
+
 def _short(x) -> str:
     text = json.dumps(x)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -262,19 +272,19 @@ def read_artifact(path: Path, verify_checksum: bool = True) -> Artifact:
             st = os.fstat(f.fileno())  # of the file mapped, even if the path is replaced meanwhile
             size = st.st_size
             if size < 8:
-                raise ArtifactError(f"{path}: truncated ({size} bytes), not a .relaykv artifact; recompile it")
+                raise _not_artifact(path, f"only {size} bytes")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read it ({exc.strerror}); check its permissions") from None
     (head_len,) = struct.unpack("<Q", mm[:8])
     if head_len > size - 8:
-        raise ArtifactError(f"{path}: truncated or not a .relaykv artifact (header runs past the end); recompile it")
+        raise _not_artifact(path, "its header runs past the end of the file")
     try:
         header = json.loads(bytes(mm[8:8 + head_len]))
         raw_meta = header.pop("__metadata__")[META_KEY]
         meta = json.loads(raw_meta)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        raise ArtifactError(f"{path}: not a .relaykv artifact (no relay metadata); recompile it") from None
+        raise _not_artifact(path, "no relay metadata") from None
     if not isinstance(meta, dict):
         raise _bad(path, f"the relay metadata is {_short(meta)}, not a JSON object")
     if "format_version" not in meta:

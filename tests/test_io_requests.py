@@ -18,7 +18,9 @@ def bad(raw, *needles, row_index=7) -> ResultRow:
     row = parse_request(raw, row_index, D)
     assert isinstance(row, ResultRow), row
     assert row.finish_reason == "error" and row.text == "" and row.row_index == row_index
-    assert row.error.startswith(f"row {row_index}: ") and "\n" not in row.error
+    # the row's own id, where it has a usable one, names it too
+    label = f"row {row_index}" if row.id == str(row_index) else f'row {row_index} (id "{row.id}")'
+    assert row.error.startswith(f"{label}: ") and "\n" not in row.error
     for needle in needles:
         assert needle in row.error, (needle, row.error)
     return row
@@ -168,7 +170,7 @@ def test_openai_body_overrides_top_level_and_url_inferred():
     ({"prompt": "x", "system_prompt": "\ud800"}, ["'system_prompt' must be the name"]),
     ({"custom_id": "c", "body": {"prompt": "x", "n": 17}}, ["'n' must be an integer from 1 to 16", "lower it"]),
     ({"custom_id": "c", "body": {"prompt": "x", "n": True}}, ["'n' must be an integer from 1 to 16"]),
-    ({"prompt": "x", "n": 0}, ["'n' must be an integer from 1 to 16"]),
+    ({"prompt": "x", "n": 0}, ["'n' must be an integer from 1 to 16", "set it from 1 to 16"]),
     ({"prompt": "x", "presence_penalty": 0.5}, ["'presence_penalty' = 0.5 is not supported"]),
     ({"prompt": "x", "logprobs": "yes"}, ["'logprobs' must be true, false or an integer from 0 to 20"]),
     ({"prompt": "x", "logprobs": 21}, ["'logprobs' must be true, false or an integer from 0 to 20"]),

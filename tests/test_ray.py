@@ -85,7 +85,7 @@ def test_a_predictor_outside_ray_names_bad_rows_and_options(job):
     batch = pa.Table.from_pylist([{**rows[1], "row_index": 1}, {"id": "x", "prompt": "", "row_index": 7}])
     got = asyncio.run(predictor(batch)).to_pylist()
     assert {k: v for k, v in got[0].items() if k != "row_index"} == reference[1]
-    assert got[1]["finish_reason"] == "error" and got[1]["error"].startswith("row 7: 'prompt' is empty")
+    assert got[1]["finish_reason"] == "error" and got[1]["error"].startswith("row 7 (id \"x\"): 'prompt' is empty")
 
 
 HELD_DRIVER = r'''

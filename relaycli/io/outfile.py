@@ -105,12 +105,55 @@ def differing_keys(job: dict, stored: dict) -> list[str]:
     return sorted(k for k in set(job) | set(stored) if job.get(k) != stored.get(k))
 
 
+# The job record's defaults (RequestDefaults) by the `relay run` option that sets them.
+_DEFAULT_OPTIONS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "seed_base": "--seed",
+                    "ignore_eos": "--ignore-eos"}
+
+
+def _value(v) -> str:
+    """A record's value as an option's value is written: text bare, the rest as JSON."""
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _changes(job: dict, stored: dict) -> tuple[list[str], list[str]]:
+    """How the stored job was run unlike this one, in the options' words, each as
+    `--temperature 1.0 (now 0.5)`, and the fields its record lacks; the input is the caller's."""
+    changes, missing = [], []
+    for key in differing_keys(job, stored):
+        if key not in stored:
+            missing.append(key)
+        elif key == "input_sha256":
+            continue
+        elif key == "model_fingerprint":
+            changes.append("another model")
+        elif key == "prompts":
+            changes.append("other --prompt artifacts")
+        elif key == "defaults" and isinstance(job.get(key), dict) and isinstance(stored[key], dict):
+            for name in differing_keys(job[key], stored[key]):
+                option = _DEFAULT_OPTIONS.get(name, f"default {name}")
+                changes.append(f"{option} {_value(stored[key].get(name))} (now {_value(job[key].get(name))})")
+        else:
+            option = "--dtype" if key == "dtype" else key
+            changes.append(f"{option} {_value(stored[key])} (now {_value(job.get(key))})")
+    return changes, missing
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def another_job(what: str, job: dict, stored: dict, fix: str, start_over: str) -> OutputError:
-    """`what` (e.g. "OUT holds the answers") belongs to another job: say which part of the
-    record differs and the fix. A changed input, the case a user meets most, says so in words."""
-    differ = differing_keys(job, stored)
-    why = f"{what} of another job (its {', '.join(differ)} differ from this run's)"
-    if "input_sha256" in differ:
-        return OutputError(f"{why}: the input file changed since those answers were saved; put the original "
-                           f"input back to resume, or {start_over}")
-    return OutputError(f"{why}; {fix}")
+    """`what` (e.g. "OUT holds the answers") belongs to another job: say how that job was run
+    unlike this one (the option and both values) and the fix. A changed input, the case a
+    user meets most, says so in words."""
+    if not stored:
+        return OutputError(f"{what} of another job (its job record cannot be read); {fix}")
+    changes, missing = _changes(job, stored)
+    lacks = f" (its job record lacks {', '.join(missing)})" if missing else ""
+    if "input_sha256" in stored and job.get("input_sha256") != stored["input_sha256"]:
+        also = f", and that job ran with {_and(changes)}" if changes else ""
+        return OutputError(f"{what} of another job: the input file changed since those answers were saved{also}"
+                           f"{lacks}; put the original input back to resume, or {start_over}")
+    ran = f", run with {_and(changes)}" if changes else ""
+    return OutputError(f"{what} of another job{ran}{lacks}; {fix}")

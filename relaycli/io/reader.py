@@ -27,17 +27,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from relaycli.errors import RelayError
-from relaycli.io.requests import RequestDefaults, RequestRow, ResultRow, parse_request
+from relaycli.io.requests import RequestDefaults, RequestRow, ResultRow, parse_request, row_label
 
 FORMATS = ("jsonl", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 _PARQUET_BATCH_ROWS = 1024  # rows a Parquet batch holds in memory at once
 _BOM = b"\xef\xbb\xbf"
+_CR = ord("\r")  # an int: `in` finds a byte value with memchr, several times faster than b"\r"
 _SPLIT_ROWS = 64  # rows between the places a JSONL file may be cut into spans (doubles for large files)
 _MAX_SPLITS = 1 << 16  # at most this many of them are kept
 
 # (row_index, the row as a dict or None, a one-line parse error or None)
 RawRow = tuple[int, "dict | None", "str | None"]
+# A RawRow and the JSONL line the row is on (None for Parquet, which has no lines)
+LocatedRow = tuple[int, "dict | None", "str | None", "int | None"]
 
 
 class InputError(RelayError):
@@ -84,7 +87,7 @@ def detect_format(path: str | Path, fmt: str | None = None) -> str:
     suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIXES:
         raise InputError(f"cannot tell the format of {path} from its extension {suffix or '(none)'!r}; "
-                         "name it .jsonl or .parquet, or give the format explicitly")
+                         "name it .jsonl or .parquet, or pass --format jsonl or --format parquet")
     return _SUFFIXES[suffix]
 
 
@@ -94,9 +97,16 @@ class RequestSource(ABC):
     def __init__(self, path: Path, fmt: str, num_rows: int, identity: tuple) -> None:
         self.path, self.fmt, self.num_rows, self.identity = path, fmt, num_rows, identity
 
-    @abstractmethod
     def __iter__(self) -> Iterator[RawRow]:
-        ...
+        return self._rows(located=False)
+
+    def located(self) -> Iterator[LocatedRow]:
+        """The rows in file order, each with the JSONL line it is on (for error rows)."""
+        return self._rows(located=True)
+
+    @abstractmethod
+    def _rows(self, located: bool) -> Iterator[RawRow | LocatedRow]:
+        """RawRows, or LocatedRows where located."""
 
     @abstractmethod
     def spans(self) -> list[Span]:
@@ -121,8 +131,8 @@ def _lines(f, digest=None, at_end: Callable[[], None] | None = None, line_no: in
            end: int | None = None) -> Iterator[tuple[int, bytes, int | None]]:
     """(line number, line, offset) of an opened JSONL file from its position on, for counting
     and reading alike, so num_rows always equals the rows read. A UTF-8 BOM before the first
-    line is not part of it. Lines end in LF or CRLF. A file with no LF at all, but CRs, has old
-    Mac line endings: there a lone CR ends a line. Elsewhere a CR inside a line is JSON whitespace.
+    line is not part of it. Lines end in LF, CRLF or a lone CR (old Mac line endings, alone or
+    mixed with the others: _split_cr).
     offset: where the line starts in the file; None for a line after a lone CR, where a span
     cannot start. line_no: the lines before the position. end: stop at this offset, a line's start.
     digest: a hashlib object that is fed every byte read on the way.
@@ -136,13 +146,11 @@ def _lines(f, digest=None, at_end: Callable[[], None] | None = None, line_no: in
         if at_end is not None and (not physical.endswith(b"\n") or (end is not None and offset >= end)):
             at_end()
             at_end = None
-        # Only a first line without its LF is the whole file (iteration splits on LF).
-        cr_lines = line_no == 0 and not physical.endswith(b"\n")
         if line_no == 0:
             physical = physical.removeprefix(_BOM)
         physical = physical.removesuffix(b"\n").removesuffix(b"\r")
-        if cr_lines:
-            for k, line in enumerate(physical.split(b"\r")):
+        if _CR in physical:  # iteration splits on LF only
+            for k, line in enumerate(_split_cr(physical)):
                 line_no += 1
                 yield line_no, line, start if k == 0 else None
         else:
@@ -152,6 +160,25 @@ def _lines(f, digest=None, at_end: Callable[[], None] | None = None, line_no: in
             break
     if at_end is not None:
         at_end()
+
+
+def _is_json(text: bytes) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _split_cr(physical: bytes) -> list[bytes]:
+    """The lines of a line read up to LF that holds a lone CR: the pieces its CRs end, unless
+    its first piece is no JSON value on its own while the whole is one, where a CR stood as
+    whitespace between tokens (a JSON string never holds a raw CR). Only lines with a CR pay
+    for these parses, and a file of CR line endings only for its first row's."""
+    pieces = physical.split(b"\r")
+    if _is_blank(pieces[0]) or _is_json(pieces[0]) or not _is_json(physical):
+        return pieces
+    return [physical]
 
 
 @dataclass(frozen=True)
@@ -263,7 +290,7 @@ class JsonlSource(RequestSource):
         bounds = [(0, 0, 0), *self._splits, (size, self.num_rows, 0)]
         return [Span(self.path, "jsonl", a[0], b[0], a[1], b[1] - a[1], a[2], pin) for a, b in zip(bounds, bounds[1:])]
 
-    def __iter__(self) -> Iterator[RawRow]:
+    def _rows(self, located: bool) -> Iterator[RawRow | LocatedRow]:
         digest = hashlib.sha256()
 
         def same_bytes() -> None:
@@ -271,17 +298,19 @@ class JsonlSource(RequestSource):
                 raise _changed(self.path)
 
         with _open_pinned(self.path, self.identity) as f:
-            yield from _jsonl_rows(f, self.path, 0, 0, None, digest, same_bytes)
+            yield from _jsonl_rows(f, self.path, 0, 0, None, digest, same_bytes, located)
 
 
 def _jsonl_rows(f, path: Path, row_index: int, line_no: int, end: int | None, digest=None,
-                at_end: Callable[[], None] | None = None) -> Iterator[RawRow]:
-    """The rows of an opened JSONL file from its position (row row_index, after line_no lines) to end."""
+                at_end: Callable[[], None] | None = None, located: bool = False) -> Iterator[RawRow | LocatedRow]:
+    """The rows of an opened JSONL file from its position (row row_index, after line_no lines)
+    to end; with their line numbers where located."""
     try:
         for line_no, line, _ in _lines(f, digest, at_end, line_no, end):
             if _is_blank(line):
                 continue
-            yield (row_index, *_parse_line(line, row_index, line_no))
+            raw, error = _parse_line(line, row_index, line_no)
+            yield (row_index, raw, error, line_no) if located else (row_index, raw, error)
             row_index += 1
     except OSError as e:
         raise InputError(f"input file {path} could not be read to its end ({e.strerror}); "
@@ -292,7 +321,7 @@ _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", boo
 
 
 def _parse_line(line: bytes, row_index: int, line_no: int) -> tuple[dict | None, str | None]:
-    where = f"row {row_index} (line {line_no})"
+    where = row_label(row_index, line_no)
     try:
         value = json.loads(line)
     except UnicodeDecodeError:
@@ -340,7 +369,7 @@ class ParquetSource(RequestSource):
             first += rows
         return spans
 
-    def __iter__(self) -> Iterator[RawRow]:
+    def _rows(self, located: bool) -> Iterator[RawRow | LocatedRow]:
         with _open_pinned(self.path, self.identity) as f:
             try:
                 pf = pq.ParquetFile(f)
@@ -352,7 +381,8 @@ class ParquetSource(RequestSource):
                     raise _changed(self.path)
 
             with pf:
-                yield from _parquet_rows(pf, self.path, range(pf.metadata.num_row_groups), 0, unchanged)
+                rows = _parquet_rows(pf, self.path, range(pf.metadata.num_row_groups), 0, unchanged)
+                yield from ((*row, None) for row in rows) if located else rows
 
 
 def _parquet_rows(pf: pq.ParquetFile, path: Path, groups: range, row_index: int,
@@ -372,7 +402,7 @@ def _parquet_rows(pf: pq.ParquetFile, path: Path, groups: range, row_index: int,
             why = (f"Parquet row group {group + 1} of {num_groups} (rows {first}-{end - 1}) could not be "
                    f"read ({_first_line(e)}); rewrite the file to answer this row")
             for lost in range(row_index, end):
-                yield lost, None, f"row {lost}: {why}"
+                yield lost, None, f"{row_label(lost)}: {why}"
             row_index = end
 
 
@@ -395,16 +425,18 @@ def open_requests(path: str | Path, fmt: str | None = None) -> RequestSource:
         raise InputError(f"input file {path} cannot be read (permission denied)") from None
 
 
-def read_requests(source: Iterable[RawRow], defaults: RequestDefaults | None = None,
+def read_requests(source: RequestSource | Iterable[RawRow], defaults: RequestDefaults | None = None,
                   skip: Set[int] = frozenset()) -> Iterator[RequestRow | ResultRow]:
-    """Rows ready for the engine: RequestRows, and error ResultRows for bad rows.
+    """Rows ready for the engine: RequestRows, and error ResultRows for bad rows, which a
+    RequestSource's rows name by their JSONL line too.
 
     `skip` holds the rows a resumed job already has (ResultWriter.done_row_indices()).
     """
-    for row_index, raw, error in source:
+    rows = source.located() if isinstance(source, RequestSource) else ((*row, None) for row in source)
+    for row_index, raw, error, line in rows:
         if row_index in skip:
             continue
         if error is not None:
             yield ResultRow.failed(row_index, str(row_index), error)
         else:
-            yield parse_request(raw, row_index, defaults)
+            yield parse_request(raw, row_index, defaults, line)

@@ -2,20 +2,28 @@
 
 `parse_request` turns one raw input row (a JSONL object, or a Parquet row as a dict)
 into a validated `RequestRow`, or into an error `ResultRow` whose message names the
-row, the field and the fix, so that one bad row never stops a job.
+row (`row_label`), the field and the fix, so that one bad row never stops a job.
+
+Fields relay does not know are allowed (a job's own columns, such as labels, ride along in
+the input; the output holds relay's columns only), except one whose name is close to a
+known field's: that is a typo that would silently change the answer (`max_token` runs with
+the default max_tokens), so the row is an error row naming the field it likely means.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Any
 
 from relaycli.errors import ConfigError
 from relaycli.io.module_field import parse_modules as _modules
 from relaycli.io.values import is_int as _is_int, is_text as _is_text, show as _show
-from relaycli.io.structured import (MAX_N, MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError, parse_constraint,
-                                    parse_logprobs, parse_n)
+from relaycli.io.structured import (CONSTRAINT_FIELDS, MAX_N, MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError,
+                                    parse_constraint, parse_logprobs, parse_n)
 
 FINISH_REASONS = ("stop", "length", "error")
 ROLES = ("system", "user", "assistant")
@@ -29,6 +37,24 @@ def _is_number(v: Any) -> bool:
 
 
 _SURROGATE_FIX = "holds a lone surrogate escape (such as \\ud800), which is not text; fix that escape in the input"
+
+
+def _quoted(text: str) -> str:
+    """A value as JSON text (one line, double quotes), cut to a readable length."""
+    shown = json.dumps(text, ensure_ascii=False)
+    return shown if len(shown) <= 40 else shown[:36] + '..."'
+
+
+def row_label(row_index: int, line: int | None = None, row_id: str | None = None) -> str:
+    """How an error row names its row: the row index, then where a user finds it in the
+    input: the JSONL line (blank lines are no rows, so the two part ways) and the row's own
+    id, e.g. `row 14 (line 16, id "abc")`; `row 14 (id "abc")` for Parquet, which has no lines."""
+    where = []
+    if line is not None:
+        where.append(f"line {line}")
+    if row_id is not None:
+        where.append(f"id {_quoted(row_id)}")
+    return f"row {row_index} ({', '.join(where)})" if where else f"row {row_index}"
 
 
 def derive_seed(seed_base: int, row_index: int) -> int:
@@ -287,6 +313,44 @@ def _check_unsupported(src: dict) -> None:
                             "remove the field")
 
 
+# Every field a request row or an OpenAI Batch line may hold that relay reads (or, for
+# OpenAI's `model`, knowingly leaves to the job's --model).
+KNOWN_FIELDS = frozenset({
+    "id", "prompt", "messages", "system_prompt", "modules", "schema", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "n",
+    *CONSTRAINT_FIELDS, *_NEUTRAL, "custom_id", "method", "url", "body", "model"})
+# Names relay writes itself (a result row's fields) are no typos: an earlier job's answers
+# (completion_tokens beside max_completion_tokens) may ride along in a later job's input.
+_RELAY_NAMES = KNOWN_FIELDS | {f.name for f in fields(ResultRow)}
+# One- and two-letter names: any short column is "close" to them, so they match only when
+# equal up to case (`ID`), never by likeness (`ids`, `uid` stay a job's own columns).
+_LIKENESS_FIELDS = sorted(f for f in KNOWN_FIELDS if len(f) > 2)
+
+
+@lru_cache(maxsize=4096)
+def likely_field(key: str) -> str | None:
+    """The known field an unknown field name is likely a typo of, or None: equal up to
+    case, '-' or ' ' for '_', or a difflib ratio of at least 0.8 (`max_token`, `temprature`,
+    `topP`). Cached: a job's rows repeat the same names."""
+    name = key.strip().lower().replace("-", "_").replace(" ", "_")
+    if name in KNOWN_FIELDS:
+        return name
+    if any(name.startswith(f + "_") or name.endswith("_" + f) for f in KNOWN_FIELDS):
+        return None  # a known field's name extended (`prompt_id`, `my_prompt`): a column of its own
+    close = difflib.get_close_matches(name, _LIKENESS_FIELDS, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def _check_typos(row: dict) -> None:
+    for key in row:
+        if key in _RELAY_NAMES or not isinstance(key, str):
+            continue
+        guess = likely_field(key)
+        if guess is not None:
+            raise _RowError(f"unknown field {key!r}; did you mean {guess!r}? Rename it (a column of your own "
+                            "needs a name unlike relay's fields)")
+
+
 def _row_id(raw: dict, key: str, row_index: int) -> str:
     v = raw.get(key)
     if v is None:
@@ -300,14 +364,14 @@ def _row_id(raw: dict, key: str, row_index: int) -> str:
     return v
 
 
-def _fallback_id(raw: Any, row_index: int) -> str:
-    """The id an error row carries: the row's own if it is usable, else the row number."""
+def _own_id(raw: Any) -> str | None:
+    """The row's own id (an OpenAI line's custom_id) where it is usable, else None."""
     if isinstance(raw, dict):
         for key in ("custom_id", "id"):
             v = raw.get(key)
             if (_is_text(v) and v) or _is_int(v):
                 return str(v)
-    return str(row_index)
+    return None
 
 
 def _openai_parts(raw: dict) -> tuple[dict, str]:
@@ -336,10 +400,12 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
         kind = "empty" if raw is None else f"a {type(raw).__name__}"
         raise _RowError(f"the row is {kind}, not an object; write one JSON object with 'prompt' or 'messages'")
     raw = {k: v for k, v in raw.items() if v is not None}  # null means absent (Parquet and JSON)
+    _check_typos(raw)
     is_openai = "body" in raw or "custom_id" in raw
     url = None
     if is_openai:
         body, url = _openai_parts(raw)
+        _check_typos(body)
         content_src, src, row_id = body, {**raw, **body}, _row_id(raw, "custom_id", row_index)
     else:
         content_src, src, row_id = raw, raw, _row_id(raw, "id", row_index)
@@ -388,11 +454,15 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
                       constraint=constraint)
 
 
-def parse_request(raw: dict | None, row_index: int,
-                  defaults: RequestDefaults | None = None) -> RequestRow | ResultRow:
-    """A valid row becomes a RequestRow; a bad one an error ResultRow (the job goes on)."""
+def parse_request(raw: dict | None, row_index: int, defaults: RequestDefaults | None = None,
+                  line: int | None = None) -> RequestRow | ResultRow:
+    """A valid row becomes a RequestRow; a bad one an error ResultRow (the job goes on),
+    whose message names the row by row_label: its index, its JSONL line (line, where the
+    input has lines) and its own id."""
     try:
         return _parse(raw, row_index, defaults if defaults is not None else RequestDefaults())
     except _RowError as e:
         url = raw.get("url") if isinstance(raw, dict) and raw.get("url") in OPENAI_URLS else None
-        return ResultRow.failed(row_index, _fallback_id(raw, row_index), f"row {row_index}: {e}", url=url)
+        own = _own_id(raw)
+        return ResultRow.failed(row_index, own if own is not None else str(row_index),
+                                f"{row_label(row_index, line, own)}: {e}", url=url)

@@ -75,8 +75,9 @@ def parse_n(src: dict) -> int:
     if isinstance(n, float) and n.is_integer():
         n = int(n)
     if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise StructuredError(f"'n' must be an integer from 1 to {MAX_N}, got {_show(n)}; "
-                              f"lower it, or repeat the row with other seeds for more answers")
+        fix = ("lower it, or repeat the row with other seeds for more answers" if _is_int(n) and n > MAX_N
+               else f"set it from 1 to {MAX_N}, or leave it out for one answer")
+        raise StructuredError(f"'n' must be an integer from 1 to {MAX_N}, got {_show(n)}; {fix}")
     return n
 
 
