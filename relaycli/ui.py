@@ -103,14 +103,16 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
     if not as_json:
         # Every value shown comes from the file: escaped, so "[/INST]" in a prompt is text, not markup.
         table = Table(title=escape(str(path)), show_header=False)
+        modules = meta["segments"][1:] if info["schema"] is not None else []
         for key in ("model", "tokens", "dtype", "layers", "kv_heads", "head_dim", "format_version",
                     "relay_version"):
-            table.add_row(key, escape(str(info[key])))
+            value = str(info[key])
+            if key == "tokens" and modules:
+                value += f" (system) + {sum(m['end'] - m['start'] for m in modules)} in {len(modules)} modules"
+            table.add_row(key, escape(value))
         table.add_row("size", _human_bytes(info["size_bytes"]))
-        if info["schema"] is not None:
-            names = [seg["name"] for seg in meta["segments"][1:]]
-            table.add_row("modules", escape(f"{info['schema']['name']} ({info['schema']['mode']}): "
-                                            + ", ".join(names)))
+        if modules:
+            table.add_row("schema", escape(f"{info['schema']['name']} ({info['schema']['mode']})"))
         table.add_row("checksum", ("[green]ok[/green] " if checksum_ok else "[red]MISMATCH[/red] ")
                       + escape(meta["checksum"][:23]))
         if problem:
@@ -118,7 +120,30 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
         table.add_row("text", escape(info["text_start"][:120].replace("\n", " "))
                       + ("…" if len(meta["system_text"]) > 120 else ""))
         Console().print(table)
+        if modules:
+            Console().print(_modules_table(modules, _kv_bytes_per_token(meta)))
     return info
+
+
+def _kv_bytes_per_token(meta: dict) -> int:
+    """Bytes of K and V one token takes in every layer of an artifact."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(meta["dtype"], 4)
+    return 2 * meta["num_layers"] * meta["num_kv_heads"] * meta["head_dim"] * itemsize
+
+
+def _modules_table(modules: list[dict], per_token: int) -> Table:
+    """A library's modules: tokens, positions, what each was computed right after (its
+    parent, or the system prompt), its union, its parameters and the bytes of its KV."""
+    table = Table(title="modules")
+    for column in ("module", "tokens", "positions", "after", "union", "parameters", "KV"):
+        table.add_column(column, justify="right" if column in ("tokens", "KV") else "left", overflow="fold")
+    for m in modules:
+        tokens = m["end"] - m["start"]
+        params = ", ".join(f"{r['parameter']} (<= {r['len']})" for r in m["rest"] if "parameter" in r)
+        table.add_row(escape(m["name"]), str(tokens), f"{m['position']}-{m['position'] + tokens - 1}",
+                      escape(m["after"][-1]), "" if m["union"] is None else str(m["union"]),
+                      escape(params), _human_bytes(tokens * per_token))
+    return table
 
 
 def run_with_progress(opts: JobOptions, quiet: bool) -> JobSummary:

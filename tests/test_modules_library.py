@@ -264,6 +264,12 @@ def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["compile-prompt", str(examples / "support.pml"), "--out", str(lib), "--quiet"])
     assert result.exit_code == 0, result.output
+    shown = runner.invoke(app, ["inspect", str(lib)])  # the modules' table: tokens, positions, parents
+    segments = read_artifact(lib).meta["segments"]
+    module_tokens = sum(s["end"] - s["start"] for s in segments[1:])
+    assert shown.exit_code == 0 and f"+ {module_tokens} in 5 modules" in shown.output, shown.output
+    for seg in segments[1:]:
+        assert f"{seg['position']}-{seg['position'] + seg['end'] - seg['start'] - 1}" in shown.output
     out = tmp_path / "answers.jsonl"
     result = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(out),
                                  "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0", "--quiet"])
