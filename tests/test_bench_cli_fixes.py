@@ -160,7 +160,11 @@ def test_a_short_soak_keeps_to_its_minutes_and_finishes_its_jobs(monkeypatch, tm
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_soak_removes_its_folder_and_its_run(tmp_path, sig):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-c", "from relaycli.cli import entry; entry()", "bench", "soak",
+    # Python's own SIGINT handler first, as a terminal gives it: a shell without job control
+    # (CI's, started in the background) starts its children with SIGINT ignored
+    child = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " \
+            "from relaycli.cli import entry; entry()"
+    proc = subprocess.Popen([sys.executable, "-c", child, "bench", "soak",
                              "--minutes", "2", "--rows", "40"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
