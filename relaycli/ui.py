@@ -121,14 +121,13 @@ def inspect_artifact(path: Path, as_json: bool) -> dict:
                       + ("…" if len(meta["system_text"]) > 120 else ""))
         Console().print(table)
         if modules:
-            Console().print(_modules_table(modules, _kv_bytes_per_token(meta)))
+            Console().print(_modules_table(modules, _kv_bytes_per_token(art)))
     return info
 
 
-def _kv_bytes_per_token(meta: dict) -> int:
-    """Bytes of K and V one token takes in every layer of an artifact."""
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(meta["dtype"], 4)
-    return 2 * meta["num_layers"] * meta["num_kv_heads"] * meta["head_dim"] * itemsize
+def _kv_bytes_per_token(art) -> int:
+    """Bytes of K and V one token takes in every layer of an artifact (one row of each tensor)."""
+    return sum(t[0].nbytes for t in (*art.keys, *art.values))
 
 
 def _modules_table(modules: list[dict], per_token: int) -> Table:

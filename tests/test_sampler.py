@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from relaycli.engine.sampler import Sampler, draw_seed, draw_seeds, filter_logits, keep_threshold
+from relaycli.engine.sampler import Sampler, draw_seed, draw_seeds, filter_logits, keep_threshold, seed_words
 from relaycli.engine.sequence import SamplingOptions
 
 
@@ -179,7 +179,7 @@ def test_draw_seeds_is_draw_seed_for_every_pair():
     rng = random.Random(5)
     seeds = [rng.randrange(-2 ** 70, 2 ** 70) for _ in range(300)] + [0, -1, 2 ** 64 - 1, 2 ** 63]
     draws = [rng.randrange(0, 1 << 20) for _ in seeds]
-    assert draw_seeds(seeds, draws).tolist() == [draw_seed(s, d) for s, d in zip(seeds, draws)]
+    assert draw_seeds(seed_words(seeds), draws).tolist() == [draw_seed(s, d) for s, d in zip(seeds, draws)]
 
 
 def test_packed_params_follow_every_steps_draws_and_every_new_batch():
@@ -189,7 +189,7 @@ def test_packed_params_follow_every_steps_draws_and_every_new_batch():
     triton_sampler = pytest.importorskip("relaycli.kernels.triton_sampler")
 
     def fresh(opts, draws, vocab):
-        return triton_sampler.pack_params(draw_seeds([o.seed for o in opts], draws),
+        return triton_sampler.pack_params(draw_seeds(seed_words([o.seed for o in opts]), draws),
                                           [min(o.top_k or vocab, vocab) for o in opts],
                                           [o.temperature for o in opts], [o.top_p for o in opts])
 

@@ -113,14 +113,16 @@ def draw_seed(seed: int, draw: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def draw_seeds(seeds: list[int], draws: list[int]) -> np.ndarray:
-    """draw_seed of each (seed, draw) pair as int64, in one pass of numpy's wrapping uint64
-    arithmetic (a decode step of 256 sampled rows would otherwise mix 256 seeds in Python)."""
-    return _mix(np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64), np.array(draws, dtype=np.uint64))
+def seed_words(seeds: list[int]) -> np.ndarray:
+    """Seeds as the uint64 words draw_seeds mixes (any int: past 64 bits and below zero too)."""
+    return np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
 
 
-def _mix(s: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """draw_seeds of seeds already masked to uint64 words."""
+def draw_seeds(words: np.ndarray, draws: list[int]) -> np.ndarray:
+    """draw_seed of each (seed, draw) pair as int64, seeds given as seed_words, in one pass
+    of numpy's wrapping uint64 arithmetic (a decode step of 256 sampled rows would otherwise
+    mix 256 seeds in Python)."""
+    s, d = words, np.array(draws, dtype=np.uint64)
     with np.errstate(over="ignore"):
         z = s * np.uint64(_SEED_MUL) + (d + np.uint64(1)) * np.uint64(_DRAW_MUL)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
@@ -155,12 +157,12 @@ class Sampler:
         key = (vocab, *map(id, options))
         if key != self._batch_key:
             self._batch_key, self._batch = key, list(options)
-            self._seed_words = np.array([o.seed & _MASK64 for o in options], dtype=np.uint64)
+            self._seed_words = seed_words([o.seed for o in options])
             self._columns = triton_sampler.pack_params(
                 np.zeros(len(options), dtype=np.int64), [min(o.top_k or vocab, vocab) for o in options],
                 [o.temperature for o in options], [o.top_p for o in options]).numpy()
         params = self._columns.copy()
-        params[:, 0] = _mix(self._seed_words, np.array(draws, dtype=np.uint64))
+        params[:, 0] = draw_seeds(self._seed_words, draws)
         return torch.from_numpy(params)
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> list[int]:
