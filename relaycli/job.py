@@ -231,6 +231,7 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
         threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
     if loaded is None and uses_triton(opts):  # so does Triton's one-time cache key
         threading.Thread(target=prepare_cache_key, daemon=True).start()
+    threading.Thread(target=writer.warm_up, daemon=True).start()  # and pyarrow's first table
     if loaded is None:
         loaded = load_model(opts.model, opts.dtype, opts.device)
     artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]

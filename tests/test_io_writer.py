@@ -445,3 +445,28 @@ def test_job_record_does_not_depend_on_the_order_of_prompts(tmp_path):
     assert before == _job_record(opts, open_requests(src), loaded, arts[::-1], "float32")
     src.write_text('{"prompt": "y"}\n')  # same length, other bytes
     assert _job_record(opts, open_requests(src), loaded, arts, "float32")["input_sha256"] != before["input_sha256"]
+
+
+def test_warm_up_leaves_the_first_flush_no_import_and_writes_nothing(tmp_path):
+    # The first part pyarrow builds imports what it loads lazily (pandas, where installed);
+    # after warm_up the first flush imports nothing, and warm_up itself writes no file.
+    code = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        from relaycli.io.requests import ResultRow
+        from relaycli.io.writer import ResultWriter
+        out = Path({str(tmp_path / "out.parquet")!r})
+        w = ResultWriter(out, flush_rows=1)
+        listing = lambda: sorted(p.name for p in out.parent.iterdir())
+        files = listing()
+        w.warm_up()
+        files = [f for f in listing() if f not in files]
+        before = set(sys.modules)
+        w.write(ResultRow(0, "a", "answer", "stop", prompt_tokens=3, cached_tokens=0, completion_tokens=1))
+        print(json.dumps({{"files": files, "new": sorted(set(sys.modules) - before)}}))
+    """)
+    got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                     check=True, cwd=REPO).stdout.splitlines()[-1])
+    assert got["files"] == []
+    assert got["new"] == []
+    assert len(parts(tmp_path / "out.parquet")) == 1

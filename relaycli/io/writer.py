@@ -202,6 +202,13 @@ class ResultWriter:
                               "or belongs to another job; remove it and run the job again")
         self.error_rows, self._complete_checked = errors, True
 
+    def warm_up(self) -> None:
+        """Build an empty part: pyarrow's first table imports what it loads lazily (pandas,
+        where installed: about 0.4 s holding the interpreter lock). The job calls this on a
+        thread while the model loads, so that the first flush, on the writer's thread in
+        the middle of decoding, does not take the lock from the engine for that long."""
+        rows_table([])
+
     def write(self, result: ResultRow) -> None:
         if self._finalized:
             raise RuntimeError("write after finalize")
