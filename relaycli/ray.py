@@ -147,7 +147,7 @@ class RelayPredictor:
                 raise RuntimeError(f"the relay engine of this actor failed: {self._failure}") from self._failure
             for r in asked:
                 if r.row_index in self._waiting or counts[r.row_index] > 1:
-                    ready[r.row_index] = ResultRow.failed(r.row_index, r.id, f"row {r.row_index}: another row with "
+                    ready[r.row_index] = ResultRow.failed(r.row_index, r.id, f"{r.label}: another row with "
                                                           "this row_index or id is being answered; give each row "
                                                           "its own", r.url)
                     waiting.size -= 1

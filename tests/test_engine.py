@@ -179,7 +179,7 @@ def test_a_row_that_fails_to_render_is_its_own_error_row(default_model, artifact
     monkeypatch.setattr(engine.matcher, "prepare", prepare)
     out = sorted(engine.generate(_rows(["hi", "boom", "hello"], max_tokens=3)), key=lambda r: r.row_index)
     assert [r.finish_reason == "error" for r in out] == [False, True, False]
-    assert "row 1: the chat could not be rendered" in out[1].error and "RuntimeError" in out[1].error
+    assert 'row 1 (id "r1"): the chat could not be rendered' in out[1].error and "RuntimeError" in out[1].error
     out[1].error.encode("utf-8")  # the message itself is writable text
 
 

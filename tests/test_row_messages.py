@@ -216,18 +216,20 @@ def test_a_resume_refusal_names_what_changed_with_both_values():
 def test_relay_run_names_lines_ids_and_changed_options(tmp_path):
     src, out = tmp_path / "r.jsonl", tmp_path / "o.parquet"
     src.write_bytes(b'{"id": "a", "prompt": "Hi"}\r\n\n{"id": "unk", "prompt": "Hi", "max_token": 5}\r'
-                    b'{"id": "b", "prompt": "Hi", "label": "kept out of the answer"}\n{"prompt": "Hi", "n": 0}\n')
+                    b'{"id": "b", "prompt": "Hi", "label": "kept out of the answer"}\n{"prompt": "Hi", "n": 0}\n'
+                    b'{"id": "re", "prompt": "Hi", "regex": "(unclosed"}\n')
     args = ["run", "--in", src, "--out", out, "--model", "dummy:tiny", "--device", "cpu", "--max-tokens", "2",
             "--quiet"]
     res = relay(*args)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = pq.read_table(out).to_pylist()
     assert [(r["id"], r["finish_reason"] == "error") for r in rows] == [("a", False), ("unk", True), ("b", False),
-                                                                        ("3", True)]
+                                                                        ("3", True), ("re", True)]
     assert rows[1]["error"].startswith("row 1 (line 3, id \"unk\"): unknown field 'max_token'; did you mean "
                                        "'max_tokens'?")
     assert rows[3]["error"].startswith("row 3 (line 5): 'n' must be an integer from 1 to 16, got 0; set it from 1 "
                                        "to 16")
+    assert rows[4]["error"].startswith("row 4 (line 6, id \"re\"): ")  # made by the engine, named as the reader does
     res = relay(*args, "--resume", "--temperature", "0.5")
     assert res.returncode == 2 and "--temperature 1.0 (now 0.5)" in res.stderr, res.stderr
     res = relay("run", "--in", tmp_path / "r2.txt", "--out", tmp_path / "o2.jsonl")

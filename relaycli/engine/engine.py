@@ -47,6 +47,11 @@ class TokenRequest:
     module_pick: ModulePick | None = None  # prompt modules: the prefix is built on admission
     grammar: object | None = None  # the compiled constraint its answers must match
     n: int = 1  # completions, sharing the prompt's KV
+    label: str | None = None  # how its error rows name it (RequestRow.label); None: "row N"
+
+    @property
+    def where(self) -> str:
+        return self.label if self.label is not None else f"row {self.row_index}"
 
 
 @dataclass
@@ -58,6 +63,7 @@ class _Live:
     watch: StopWatch | None  # rows with stop strings: their text, decoded as it grows
     index: int = 0  # which of the row's completions
     group: Group | None = None  # n > 1: the row's completions so far
+    label: str | None = None  # how an error row names the row (TokenRequest.where)
 
 
 class Engine:
@@ -98,7 +104,7 @@ class Engine:
         if isinstance(row, ResultRow):
             return row
         if self.matcher is None:
-            return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: this model has no tokenizer "
+            return ResultRow.failed(row.row_index, row.id, f"{row.label}: this model has no tokenizer "
                                     "(dummy weights); send token ids through Engine.generate_tokens", row.url)
         pick = None
         try:
@@ -107,10 +113,10 @@ class Engine:
             else:
                 prepared = self.matcher.prepare(row.messages, row.system_prompt)
         except PromptError as exc:
-            return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
+            return ResultRow.failed(row.row_index, row.id, f"{row.label}: {exc}", row.url)
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer failure is this row's alone
             detail = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode("utf-8")
-            return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: the chat could not be rendered "
+            return ResultRow.failed(row.row_index, row.id, f"{row.label}: the chat could not be rendered "
                                     f"and tokenized ({detail}); check its messages", row.url)
         if prepared.is_prefix_miss:
             self.stats.prefix_misses += 1
@@ -128,12 +134,12 @@ class Engine:
             try:
                 grammar = self.grammars.compile(row.constraint)
             except ConstraintError as exc:
-                return ResultRow.failed(row.row_index, row.id, f"row {row.row_index}: {exc}", row.url)
+                return ResultRow.failed(row.row_index, row.id, f"{row.label}: {exc}", row.url)
         if pick is not None:  # the module path's prefix is found (or built) on admission
             return TokenRequest(row.row_index, row.id, list(pick.extra_ids) + prepared.own_ids, opts, None, row.url,
-                                pick, grammar, sp.n)
+                                pick, grammar, sp.n, row.label)
         return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url,
-                            None, grammar, sp.n)
+                            None, grammar, sp.n, row.label)
 
     def _admit(self, req: TokenRequest) -> ResultRow | None:
         """Queue a request, or return its error row when it can never run."""
@@ -142,29 +148,29 @@ class Engine:
             try:
                 slot, first_position = self.modules.slot(req.module_pick), req.module_pick.next_position
             except ConfigError as exc:
-                return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: {exc}", req.url)
+                return ResultRow.failed(req.row_index, req.id, f"{req.where}: {exc}", req.url)
         prefix_len = 0 if slot is None else self.runner.prefixes[slot].num_tokens
         end = (prefix_len if first_position is None else first_position) + len(req.own_ids)  # positions
         if end >= self.max_context:
             size = f"has {end} tokens" if first_position is None else f"reaches position {end}"
-            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt {size}, "
+            return ResultRow.failed(req.row_index, req.id, f"{req.where}: the prompt {size}, "
                                     f"the model's context is {self.max_context}; shorten it", req.url)
         if not req.own_ids:
             what = "is empty" if prefix_len == 0 else f"has no token after its {prefix_len}-token shared prefix"
-            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: the prompt {what}; "
+            return ResultRow.failed(req.row_index, req.id, f"{req.where}: the prompt {what}; "
                                     "add the request's own text", req.url)
         opts = req.sampling
         max_new = min(opts.max_tokens, self.max_context - end)
         seq = Sequence(next(self._seq_ids), req.own_ids, opts, prefix_len, slot,
                        arrival_time=time.perf_counter(), first_position=first_position)
         if not self.scheduler.fits_ever(seq, max_new):
-            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: prompt plus max_tokens needs "
+            return ResultRow.failed(req.row_index, req.id, f"{req.where}: prompt plus max_tokens needs "
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "
                                     f"{self.block_manager.num_blocks * self.runner.block_size}; lower max_tokens "
                                     "or raise --kv-cache-gb", req.url)
         forks_need = self.block_manager.blocks_with_forks(seq.num_own_tokens, req.n - 1)
         if req.n > self.config.max_num_seqs or forks_need > self.block_manager.num_blocks:
-            return ResultRow.failed(req.row_index, req.id, f"row {req.row_index}: n = {req.n} completions do not fit "
+            return ResultRow.failed(req.row_index, req.id, f"{req.where}: n = {req.n} completions do not fit "
                                     f"the batch ({self.config.max_num_seqs} sequences) or the KV cache; lower n or "
                                     "raise --max-batch / --kv-cache-gb", req.url)
         seq.sampling = replace(opts, max_tokens=max_new)
@@ -174,7 +180,7 @@ class Engine:
         for index, one in enumerate(row_sequences(seq, req.n, self._seq_ids.__next__, matcher,
                                                   opts.logprobs is not None)):
             watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
-            self._live[one.seq_id] = _Live(one, req.row_index, req.id, req.url, watch, index, group)
+            self._live[one.seq_id] = _Live(one, req.row_index, req.id, req.url, watch, index, group, req.where)
         self.scheduler.add(seq)
         return None
 
@@ -347,4 +353,4 @@ class Engine:
             if not live.group.complete:
                 return []
             completions = [live.group.done[i] for i in range(live.group.n)]
-        return [result_row(live.row_index, live.id, live.url, seq, completions, len(completions))]
+        return [result_row(live.row_index, live.id, live.url, seq, completions, len(completions), live.label)]

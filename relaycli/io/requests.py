@@ -164,10 +164,13 @@ class RequestRow:
     modules: list[dict] | None = None
     schema: str | None = None  # names the library (its schema's or its file's name)
     constraint: ConstraintSpec | None = None  # what the answer must match (schema, regex, choices, grammar)
+    line: int | None = field(default=None, compare=False)  # its JSONL line (1-based), where the input has lines
 
     def __post_init__(self) -> None:
         if not _is_int(self.row_index) or self.row_index < 0:
             raise ValueError(f"row_index must be an integer >= 0, got {_show(self.row_index)}")
+        if self.line is not None and (not _is_int(self.line) or self.line < 1):
+            raise ValueError(f"line must be an integer >= 1, got {_show(self.line)}")
         if self.modules is not None:
             self.modules = _modules(self.modules)
         if self.schema is not None and (not _is_text(self.schema) or not self.schema):
@@ -183,6 +186,12 @@ class RequestRow:
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if self.url is not None and self.url not in OPENAI_URLS:
             raise ValueError(f"url must be one of {', '.join(OPENAI_URLS)}, got {_show(self.url)}")
+
+    @property
+    def label(self) -> str:
+        """How an error row names this row (row_label): index, line, and id where it is the
+        row's own (an id that only repeats the index is left out)."""
+        return row_label(self.row_index, self.line, None if self.id == str(self.row_index) else self.id)
 
 
 @dataclass
@@ -395,7 +404,7 @@ def _openai_parts(raw: dict) -> tuple[dict, str]:
     return body, url
 
 
-def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
+def _parse(raw: Any, row_index: int, d: RequestDefaults, line: int | None) -> RequestRow:
     if not isinstance(raw, dict):
         kind = "empty" if raw is None else f"a {type(raw).__name__}"
         raise _RowError(f"the row is {kind}, not an object; write one JSON object with 'prompt' or 'messages'")
@@ -451,7 +460,7 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults) -> RequestRow:
         raise _RowError(f"'{name}' {rest}; fix the value or leave the field out to use the default") from None
     return RequestRow(row_index=row_index, id=row_id, messages=messages, system_prompt=system_prompt,
                       sampling=sampling, is_openai=is_openai, url=url, modules=modules, schema=schema,
-                      constraint=constraint)
+                      constraint=constraint, line=line)
 
 
 def parse_request(raw: dict | None, row_index: int, defaults: RequestDefaults | None = None,
@@ -460,7 +469,7 @@ def parse_request(raw: dict | None, row_index: int, defaults: RequestDefaults | 
     whose message names the row by row_label: its index, its JSONL line (line, where the
     input has lines) and its own id."""
     try:
-        return _parse(raw, row_index, defaults if defaults is not None else RequestDefaults())
+        return _parse(raw, row_index, defaults if defaults is not None else RequestDefaults(), line)
     except _RowError as e:
         url = raw.get("url") if isinstance(raw, dict) and raw.get("url") in OPENAI_URLS else None
         own = _own_id(raw)
