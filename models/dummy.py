@@ -37,6 +37,11 @@ PRESETS: dict[str, dict] = {
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True),
+    # The default model's shapes (SmolLM2-135M-Instruct), for its host-bound jobs at any scale.
+    "smollm2-135m": dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
     # Small shapes for tests and CPU runs, with a context long enough for long prompts.
     "tiny": dict(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

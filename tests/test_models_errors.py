@@ -243,7 +243,7 @@ def test_unknown_dummy_preset_lists_the_presets():
 
 # Published parameter counts of the models each preset mimics.
 PARAM_COUNTS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama3-8b": 8_030_261_248,
-                "mistral-7b": 7_248_023_552, "qwen2.5-7b": 7_615_616_512}
+                "mistral-7b": 7_248_023_552, "qwen2.5-7b": 7_615_616_512, "smollm2-135m": 134_515_008}
 
 
 @pytest.mark.parametrize("preset", sorted(PARAM_COUNTS))
