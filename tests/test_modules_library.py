@@ -275,9 +275,12 @@ def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
                                  "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0", "--quiet"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["m1", "m2", "m3", "m4", "m5", "m6"]
+    assert [r["id"] for r in rows] == ["m1", "m2", "m3", "m4", "m5", "m6", "m7"]
     assert all(r["error"] is None and r["cached_tokens"] > 0 for r in rows[:5])
     assert "alternatives of one union" in rows[5]["error"]
+    # m7 asks m4's question in Prompt Cache's PML form: the same tokens, so the same answer
+    assert rows[6]["error"] is None and rows[6]["text"] == rows[3]["text"]
+    assert (rows[6]["prompt_tokens"], rows[6]["cached_tokens"]) == (rows[3]["prompt_tokens"], rows[3]["cached_tokens"])
 
 
 def test_the_prefix_store_takes_later_paths_in_its_room_and_grows_past_it():

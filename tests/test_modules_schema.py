@@ -134,3 +134,37 @@ def test_a_malformed_modules_field_is_an_error_row(raw, message):
     assert got.error.startswith("row 4: ")
     import re
     assert re.search(message, got.error), got.error
+
+
+# -- Prompt Cache's prompt form: <prompt schema="..."> with module elements and the question --
+
+def test_a_pml_prompt_is_the_row_with_modules_schema_and_question():
+    from relaycli.io.requests import RequestRow, parse_request
+    pml = parse_request({"id": "a", "prompt": '\n<prompt schema="shop">\n  <policy/>\n  <module name="basic" '
+                                              'months="6"/>\n  Can I phone\n  you?\n</prompt>\n'}, 0)
+    plain = parse_request({"id": "a", "prompt": "Can I phone\nyou?", "schema": "shop",
+                           "modules": ["policy", {"name": "basic", "months": "6"}]}, 0)
+    assert isinstance(pml, RequestRow) and pml == plain
+    same = parse_request({"prompt": "<prompt><policy/>q &amp; a</prompt>", "schema": "shop"}, 1)
+    assert (same.schema, same.modules, same.messages[-1]["content"]) == ("shop", [{"name": "policy"}], "q & a")
+    literal = parse_request({"prompt": "What does <prompt> mean in XML?"}, 2)  # not one <prompt> element
+    assert literal.modules is None and literal.messages[-1]["content"] == "What does <prompt> mean in XML?"
+
+
+@pytest.mark.parametrize("prompt,extra,message", [
+    ("<prompt>q</prompt>", {}, "names no module"),
+    ("<prompt><policy/></prompt>", {}, "holds no question after its modules"),
+    ("<prompt><policy>text</policy>q</prompt>", {}, "text inside a module element at column 17"),
+    ("<prompt><policy><x/></policy>q</prompt>", {}, "<x> at column 17 sits inside a module element"),
+    ('<prompt lang="en"><policy/>q</prompt>', {}, "at most a 'schema' attribute"),
+    ('<prompt><policy name="p"/>q</prompt>', {}, "names its module twice"),
+    ("<prompt><module/>q</prompt>", {}, '<module> at column 9 needs name="..."'),
+    ("<prompt><policy/>q & a</prompt>", {}, "not well-formed PML"),
+    ("<prompt><policy/>q</prompt>", {"modules": ["policy"]}, "both in its PML 'prompt' and in 'modules'"),
+    ('<prompt schema="a"><policy/>q</prompt>', {"schema": "b"}, "its PML prompt says schema='a'"),
+])
+def test_a_malformed_pml_prompt_is_an_error_row_naming_the_fix(prompt, extra, message):
+    from relaycli.io.requests import ResultRow, parse_request
+    row = parse_request({"id": "r", "prompt": prompt, **extra}, 3, line=4)
+    assert isinstance(row, ResultRow) and row.error.startswith('row 3 (line 4, id "r"): ') and message in row.error, \
+        row.error

@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from relaycli.errors import ConfigError
-from relaycli.io.module_field import parse_modules as _modules
+from relaycli.io.module_field import is_pml_prompt, parse_modules as _modules, parse_pml_prompt
 from relaycli.io.values import is_int as _is_int, is_text as _is_text, show as _show
 from relaycli.io.structured import (CONSTRAINT_FIELDS, MAX_N, MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError,
                                     parse_constraint, parse_logprobs, parse_n)
@@ -418,6 +418,13 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults, line: int | None) -> Re
         content_src, src, row_id = body, {**raw, **body}, _row_id(raw, "custom_id", row_index)
     else:
         content_src, src, row_id = raw, raw, _row_id(raw, "id", row_index)
+    pml = None  # Prompt Cache's form: the prompt names its modules inline
+    if not is_openai and isinstance(raw.get("prompt"), str) and is_pml_prompt(raw["prompt"]):
+        try:
+            pml = parse_pml_prompt(raw["prompt"])
+        except ValueError as e:
+            raise _RowError(f"'prompt' is a PML prompt, but {e} (text meant as it is goes in 'messages')") from None
+        content_src = {**raw, "prompt": pml[2]}
     messages = _messages(content_src)
     _check_unsupported(src)
     system_prompt = src.get("system_prompt")
@@ -426,6 +433,12 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults, line: int | None) -> Re
     if system_prompt is not None and messages[0]["role"] == "system":
         raise _RowError("has both 'system_prompt' and a system message; keep one of them")
     modules, schema = src.get("modules"), src.get("schema")
+    if pml is not None:
+        if modules is not None:
+            raise _RowError("names modules both in its PML 'prompt' and in 'modules'; keep one of them")
+        if schema is not None and pml[0] is not None and schema != pml[0]:
+            raise _RowError(f"'schema' is {_show(schema)} but its PML prompt says schema={_show(pml[0])}; keep one")
+        modules, schema = pml[1], schema if schema is not None else pml[0]
     if schema is not None and (not _is_text(schema) or not schema):
         raise _RowError(f"'schema' must be the name of a loaded module library, got {_show(schema)}")
     if schema is not None and system_prompt is not None:
