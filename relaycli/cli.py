@@ -105,14 +105,16 @@ def _interruptible(output_path: Path):
 
 @app.command("compile-prompt")
 def compile_prompt_cmd(
-    sys_txt: List[Path] = typer.Argument(..., help="The system prompt, a UTF-8 text file; several compile with one model load."),
+    sys_txt: List[Path] = typer.Argument(..., help="A system prompt (UTF-8 text) or a prompt-module schema (.pml); several compile with one model load."),
     model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file, dummy:PRESET; default: the embedded SmolLM2-135M-Instruct."),
     out: Optional[Path] = typer.Option(None, "--out", help="Artifact path (one SYS_TXT only); default: SYS_TXT with suffix .relaykv."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on CUDA."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N; default: cuda when available."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress, only errors."),
 ) -> None:
-    """Compile system prompts into .relaykv KV artifacts."""
+    """Compile system prompts into .relaykv KV artifacts.
+
+    A .pml schema compiles to a module library (docs/modules.md). Its exact modules (the default) answer as the same tokens sent whole; independent modules (mode="independent", Prompt Cache's way) are computed without seeing each other, so rows combine them freely and their answers differ from a full prefill of the same text."""
     from relaycli.ui import compile_with_progress
     with _user_errors():
         compile_with_progress(sys_txt, model, out, dtype, device, quiet)
@@ -143,7 +145,7 @@ def inspect_cmd(
 def run_cmd(
     input_path: Path = typer.Option(..., "--in", help="Requests: .jsonl or .parquet (OpenAI Batch lines too)."),
     output_path: Path = typer.Option(..., "--out", help="Answers: .parquet or .jsonl."),
-    prompt: List[Path] = typer.Option([], "--prompt", help="A compiled .relaykv artifact; repeat for several."),
+    prompt: List[Path] = typer.Option([], "--prompt", help="A compiled .relaykv artifact (a system prompt or a module library); repeat for several."),
     model: Optional[str] = typer.Option(None, "--model", help="HF model dir, .gguf file, dummy:PRESET; default: embedded SmolLM2-135M-Instruct."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N."),

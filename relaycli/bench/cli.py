@@ -301,8 +301,7 @@ def soak_cmd(
 ) -> None:
     """A job stopped and resumed again and again: every output as uninterrupted.
 
-    Stops the job by SIGTERM or SIGKILL and resumes it, for --minutes: every finished
-    output must equal an uninterrupted run's."""
+    Stops the job by SIGTERM or SIGKILL and resumes it, for --minutes: every finished output must equal an uninterrupted run's."""
     import signal
 
     from relaycli.bench.soak import SoakOptions, SoakStopped, run_soak, soak_table
@@ -352,8 +351,7 @@ def show_cmd(
 ) -> None:
     """Print saved results again, each in the table of the subcommand that wrote it.
 
-    E.g. runs made on a GPU machine; e2e runs of one model, dtype and workload are joined
-    (rows of several --system-tokens runs make one line)."""
+    E.g. runs made on a GPU machine; e2e runs of one model, dtype and workload are joined (rows of several --system-tokens runs make one line)."""
     from relaycli.bench.report import jobs_table, kernels_table, merge_reports, modules_tables
     with _refusals():
         _check_outputs(json_path, plot_path)
@@ -392,8 +390,7 @@ def modules_cmd(
 ) -> None:
     """Prompt modules: time to first token against full prefill, independent agreement.
 
-    On the default model (fp32, CPU): time to first token with a library vs full prefill
-    of the same tokens; independent modules' teacher-forced greedy agreement."""
+    On the default model (fp32, CPU): time to first token with a library vs full prefill of the same tokens; independent modules' teacher-forced greedy agreement."""
     from relaycli.bench.modules import independent_agreement, ttft
     from relaycli.bench.report import modules_tables
     from relaycli.io.parts import write_json
@@ -415,8 +412,7 @@ def jobs_cmd(
 ) -> None:
     """Whole `relay run` jobs on a CUDA GPU, relay against --no-relay.
 
-    Each job runs through the CLI in its own process (relaycli/bench/jobs.py says what
-    each part runs); from a checkout."""
+    Each job runs through the CLI in its own process (relaycli/bench/jobs.py says what each part runs); from a checkout."""
     import json
 
     from relaycli.bench.jobs import run_parts
