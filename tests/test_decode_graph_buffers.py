@@ -93,8 +93,8 @@ def test_a_step_of_several_prefixes_fills_one_graphs_table_and_matches_the_eager
 def test_steps_past_the_graphs_bounds_run_eagerly_and_say_why():
     lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
     many = [prefix_from_ids(lm, [i + 1, i + 2], f"p{i}") for i in range(MAX_TABLE_GROUPS + 1)]
-    engine = Engine(lm, many, EngineConfig(max_num_seqs=40, kv_cache_gb=0.01))
-    graphs = DecodeGraphs(engine.runner, 40, scratch_block=engine.runner.num_blocks)
+    engine = Engine(lm, many, EngineConfig(max_num_seqs=MAX_TABLE_GROUPS + 8, kv_cache_gb=0.01))
+    graphs = DecodeGraphs(engine.runner, MAX_TABLE_GROUPS + 8, scratch_block=engine.runner.num_blocks)
     seqs = [Sequence(i, [7], SamplingOptions(max_tokens=4), 2, i) for i in range(MAX_TABLE_GROUPS + 1)]
     assert graphs.key(seqs) is None and graphs.eager_reason == EAGER_TOO_MANY_PREFIXES
     assert graphs.key(seqs[:MAX_TABLE_GROUPS])[2] == MIXED

@@ -95,14 +95,15 @@ def test_padding_rows_read_nothing_and_leave_the_other_rows_alone(dtype):
             assert rel_err(got[real], want_relay[real]) < TOL[dtype]
 
 
-def table_problem(rng: random.Random, dtype: torch.dtype, num_groups: int):
+def table_problem(rng: random.Random, dtype: torch.dtype, num_groups: int, num_prefixes: tuple[int, int] = (2, 5),
+                  rows_per_group: int = 7):
     """A decode step whose rows use several prefixes, ordered by group (rows without a
     prefix last, some padding rows past the batch), with its PrefixTable over a store."""
     num_kv, group = rng.choice([(1, 1), (2, 3), (2, 4)])
-    prefix_lens = [rng.randint(1, 150) for _ in range(rng.randint(2, 5))]
+    prefix_lens = [rng.randint(1, 150) for _ in range(rng.randint(*num_prefixes))]
     order = sorted(rng.sample(range(len(prefix_lens)), rng.randint(1, min(num_groups, len(prefix_lens)))))
     rng.shuffle(order)
-    prefix_of = [slot for slot in order for _ in range(rng.randint(1, 7))]
+    prefix_of = [slot for slot in order for _ in range(rng.randint(1, rows_per_group))]
     prefix_of += [len(prefix_lens)] * rng.randint(0, 3)  # no prefix
     n = len(prefix_of)
     pad = rng.randint(0, 3)
@@ -142,6 +143,23 @@ def test_a_prefix_table_step_equals_the_step_with_its_groups_listed(dtype, seed)
                       (prefix_paged_attention(q, kc, vc, tabled, layer, scale), want_base),
                       (baseline_with(q, kc, vc, tabled, layer, scale, 2), want_base)):
         assert rel_err(got[:n], want[:n]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_prefix_table_step_with_as_many_small_groups_as_a_graph_holds(seed):
+    """A library of many modules (or many artifacts): up to MAX_TABLE_GROUPS prefixes of
+    one or two rows each in one step, so a tile meets several groups, each read once."""
+    from relaycli.engine.cuda_graph import MAX_TABLE_GROUPS
+    rng = random.Random(100 + seed)
+    q, kc, vc, layer, meta, tabled, n, scale = table_problem(
+        rng, torch.float32, num_groups=MAX_TABLE_GROUPS, num_prefixes=(MAX_TABLE_GROUPS - 4, MAX_TABLE_GROUPS),
+        rows_per_group=2)
+    assert len({int(g) for g in tabled.prefix_table.row_group[:n]}) > 16
+    qf, kf, vf, pf = upcast(q, kc, vc, list(layer))
+    assert rel_err(relay_attention(q, kc, vc, tabled, layer, scale)[:n],
+                   ref.relay_attention(qf, kf, vf, meta, pf, scale)[:n]) < TOL[torch.float32]
+    assert rel_err(prefix_paged_attention(q, kc, vc, tabled, layer, scale)[:n],
+                   ref.prefix_paged_attention(qf, kf, vf, meta, pf, scale)[:n]) < TOL[torch.float32]
 
 
 def test_prefix_table_rows_number_runs_and_refuse_unordered_rows():

@@ -47,9 +47,12 @@ CONTEXT_BUCKET_GROWTH = 4
 # 256 and own contexts up to 4,096 keys has 42 bucket pairs, and relay's steps about 1.9
 # plans each on llama3-8b heads (all_keys: 68-78 keys under 2,048-16,384 prefix tokens).
 MAX_GRAPHS = 128
-# The prefix slot of a key whose rows use several prefixes, and the most a step may use.
+# The prefix slot of a key whose rows use several prefixes, and the most a step may use:
+# a bound on the PrefixTable's entries (device data, 16 bytes each), not on the work, since
+# a tile of rows walks only the groups its rows are in. 64 holds a batch over a library of
+# dozens of documents (each module path is a prefix) or as many --prompt artifacts.
 MIXED = "mixed"
-MAX_TABLE_GROUPS = 16
+MAX_TABLE_GROUPS = 64
 
 # Why a decode step ran eagerly (EngineStats counts them).
 EAGER_TOO_LARGE = "batch above the largest graph bucket"
