@@ -15,7 +15,7 @@ caught as surely as a flipped KV byte.
 
 from __future__ import annotations
 
-from relaycli.errors import RelayError
+from relaycli.errors import RelayError, clipped
 import hashlib
 import json
 import mmap
@@ -170,8 +170,7 @@ def _not_artifact(path: Path, why: str) -> ArtifactError:
 
 
 def _short(x) -> str:
-    text = json.dumps(x)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return clipped(json.dumps(x))
 
 
 def _wrong(path: Path, meta: dict, key: str, expected: str) -> ArtifactError:

@@ -16,3 +16,9 @@ class RelayError(ValueError):
 
 class ConfigError(RelayError):
     """An option or setting that cannot work (a batch limit, a cache size, a device)."""
+
+
+def clipped(text: str, limit: int = 40) -> str:
+    """text, or its first limit - 3 characters and "..." where it is longer: what a
+    one-line error shows of a value."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from relaycli.io.failures import OutputError
 from relaycli.io.requests import OPENAI_URLS
+from relaycli.errors import clipped
 
 JOB_META_KEY = b"relay.job"  # the job record, in a finished Parquet OUT's key-value metadata
 
@@ -112,8 +113,7 @@ _DEFAULT_OPTIONS = {"max_tokens": "--max-tokens", "temperature": "--temperature"
 
 def _value(v) -> str:
     """A record's value as an option's value is written: text bare, the rest as JSON."""
-    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return clipped(v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str))
 
 
 def _changes(job: dict, stored: dict) -> tuple[list[str], list[str]]:

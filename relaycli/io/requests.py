@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
-from relaycli.errors import ConfigError
+from relaycli.errors import ConfigError, clipped
 from relaycli.io.module_field import is_pml_prompt, parse_modules as _modules, parse_pml_prompt
 from relaycli.io.values import is_int as _is_int, is_text as _is_text, show as _show
 from relaycli.io.structured import (CONSTRAINT_FIELDS, MAX_N, MAX_TOP_LOGPROBS, ConstraintSpec, StructuredError,
@@ -42,7 +42,7 @@ _SURROGATE_FIX = "holds a lone surrogate escape (such as \\ud800), which is not 
 def _quoted(text: str) -> str:
     """A value as JSON text (one line, double quotes), cut to a readable length."""
     shown = json.dumps(text, ensure_ascii=False)
-    return shown if len(shown) <= 40 else shown[:36] + '..."'
+    return shown if len(shown) <= 40 else clipped(shown, 39) + '"'  # still quoted
 
 
 def row_label(row_index: int, line: int | None = None, row_id: str | None = None) -> str:

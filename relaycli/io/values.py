@@ -1,8 +1,10 @@
-"""Checks and renderings of request-row values that every field's parser shares."""
+"""Checks and renderings of values that every field's parser and every refusal shares."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from relaycli.errors import clipped
 
 
 def is_int(v: Any) -> bool:
@@ -22,9 +24,9 @@ def is_text(v: Any) -> bool:
 
 
 def show(v: Any) -> str:
-    """A short repr for error lines: a 10 kB prompt must not flood the error column."""
+    """A short repr for error lines (a 10 kB prompt must not flood the error column)."""
     try:
         text = repr(v)
     except RecursionError:  # a value nested as deep as the JSON reader allows
         return f"a deeply nested {type(v).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
+    return clipped(text, 60)
