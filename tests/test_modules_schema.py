@@ -147,6 +147,9 @@ def test_a_pml_prompt_is_the_row_with_modules_schema_and_question():
     assert isinstance(pml, RequestRow) and pml == plain
     same = parse_request({"prompt": "<prompt><policy/>q &amp; a</prompt>", "schema": "shop"}, 1)
     assert (same.schema, same.modules, same.messages[-1]["content"]) == ("shop", [{"name": "policy"}], "q & a")
+    line = parse_request({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                          "body": {"prompt": "<prompt><policy/>q</prompt>", "schema": "shop"}}, 4)
+    assert (line.schema, line.modules, line.messages[-1]["content"]) == ("shop", [{"name": "policy"}], "q")
     literal = parse_request({"prompt": "What does <prompt> mean in XML?"}, 2)  # not one <prompt> element
     assert literal.modules is None and literal.messages[-1]["content"] == "What does <prompt> mean in XML?"
 

@@ -419,12 +419,12 @@ def _parse(raw: Any, row_index: int, d: RequestDefaults, line: int | None) -> Re
     else:
         content_src, src, row_id = raw, raw, _row_id(raw, "id", row_index)
     pml = None  # Prompt Cache's form: the prompt names its modules inline
-    if not is_openai and isinstance(raw.get("prompt"), str) and is_pml_prompt(raw["prompt"]):
+    if isinstance(content_src.get("prompt"), str) and is_pml_prompt(content_src["prompt"]):
         try:
-            pml = parse_pml_prompt(raw["prompt"])
+            pml = parse_pml_prompt(content_src["prompt"])
         except ValueError as e:
             raise _RowError(f"'prompt' is a PML prompt, but {e} (text meant as it is goes in 'messages')") from None
-        content_src = {**raw, "prompt": pml[2]}
+        content_src = {**content_src, "prompt": pml[2]}
     messages = _messages(content_src)
     _check_unsupported(src)
     system_prompt = src.get("system_prompt")
