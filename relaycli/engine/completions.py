@@ -84,13 +84,13 @@ def completion_of(seq: Sequence, index: int, stops: tuple[str, ...] | None, eos_
 
 
 def result_row(row_index: int, id: str, url: str | None, seq: Sequence, completions: list[Completion],
-               n: int, label: str | None = None) -> ResultRow:
+               n: int, label: str) -> ResultRow:
     """The row's result from its completions (one, or n by index); seq: any of its sequences;
-    label: how an error names the row (RequestRow.label; None: "row N")."""
+    label: how an error names the row (TokenRequest.where)."""
     first = completions[0]
     failed = next((c for c in completions if c.error is not None), None)
     if failed is not None:
-        return ResultRow.failed(row_index, id, f"{label or f'row {row_index}'}: completion {failed.index}: {failed.error}", url)
+        return ResultRow.failed(row_index, id, f"{label}: completion {failed.index}: {failed.error}", url)
     return ResultRow(row_index=row_index, id=id, text=first.text, finish_reason=first.finish_reason,
                      prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prefix_tokens,
                      completion_tokens=sum(c.completion_tokens for c in completions), error=None, url=url,

@@ -61,9 +61,9 @@ class _Live:
     id: str
     url: str | None
     watch: StopWatch | None  # rows with stop strings: their text, decoded as it grows
+    label: str  # how an error row names the row (TokenRequest.where)
     index: int = 0  # which of the row's completions
     group: Group | None = None  # n > 1: the row's completions so far
-    label: str | None = None  # how an error row names the row (TokenRequest.where)
 
 
 class Engine:
@@ -180,7 +180,7 @@ class Engine:
         for index, one in enumerate(row_sequences(seq, req.n, self._seq_ids.__next__, matcher,
                                                   opts.logprobs is not None)):
             watch = StopWatch(opts.stop, self.loaded.tokenizer.decode) if opts.stop and self.loaded.tokenizer else None
-            self._live[one.seq_id] = _Live(one, req.row_index, req.id, req.url, watch, index, group, req.where)
+            self._live[one.seq_id] = _Live(one, req.row_index, req.id, req.url, watch, req.where, index, group)
         self.scheduler.add(seq)
         return None
 

@@ -32,10 +32,6 @@ def parse_modules(v: Any) -> list[dict]:
     return out
 
 
-PML_FORM = ('write <prompt schema="NAME"><module_name/><other name="value"/> the question</prompt>, '
-            "or send the modules in 'modules'")
-
-
 def is_pml_prompt(text: str) -> bool:
     """A prompt written in Prompt Cache's form: one <prompt> element, nothing around it."""
     stripped = text.strip()
