@@ -80,6 +80,30 @@ class LayerPrefixes(list):
         layer._write(pieces)
         return layer
 
+    def without(self, slots: set[int]) -> "LayerPrefixes":
+        """These prefixes with the given slots emptied (no rows; the slot numbers of the
+        others stay). In a store the slots left are moved down, in slot order, so the freed
+        rows join the free ones at the end: the same store, new views. A caller must make
+        sure no launched step still reads the store."""
+        if self.store is None:
+            return LayerPrefixes([(k.new_empty((0, *k.shape[1:])), v.new_empty((0, *v.shape[1:])))
+                                  if s in slots else (k, v) for s, (k, v) in enumerate(self)])
+        (k_store, v_store), at, pairs = self.store, 0, []
+        for s, (k, v) in enumerate(self):
+            rows = 0 if s in slots else k.shape[0]
+            if rows:
+                start = k.data_ptr() - k_store.data_ptr()
+                start //= k_store.stride(0) * k_store.element_size()
+                if start != at:  # down, never up; a clone where the ranges overlap
+                    src_k, src_v = k_store[start:start + rows], v_store[start:start + rows]
+                    if start < at + rows:
+                        src_k, src_v = src_k.clone(), src_v.clone()
+                    k_store[at:at + rows].copy_(src_k)
+                    v_store[at:at + rows].copy_(src_v)
+            pairs.append((k_store[at:at + rows], v_store[at:at + rows]))
+            at += rows
+        return LayerPrefixes(pairs, self.store, at)
+
     def _write(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy the pieces into the store's next free rows, as one more slot."""
         (k_store, v_store), start = self.store, self.used

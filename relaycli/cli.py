@@ -157,6 +157,7 @@ def run_cmd(
     temperature: float = typer.Option(1.0, "--temperature", help="Default temperature for rows without one (0 = greedy)."),
     seed: int = typer.Option(0, "--seed", help="Base of the per-row seeds of rows without one."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size; default: a share of free memory."),
+    prefix_cache_gb: Optional[float] = typer.Option(None, "--prefix-cache-gb", help="Memory for prompt-module paths; unused paths are dropped to make room. Default: room for every path of the libraries, grown when full."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job: answer only missing rows."),
     no_relay: bool = typer.Option(False, "--no-relay", help="Baseline: per-request attention over the shared prefix."),
     attention_impl: str = typer.Option("auto", "--attention-impl", help="auto | torch | cpu-flash | triton."),
@@ -182,8 +183,8 @@ def run_cmd(
             dtype=dtype, device=device, input_format=input_format, resume=resume, allow_cast=allow_cast,
             defaults=RequestDefaults(max_tokens=max_tokens, temperature=temperature, seed_base=seed,
                                      ignore_eos=ignore_eos),
-            engine=EngineConfig(max_num_seqs=max_batch, kv_cache_gb=kv_cache_gb, relay=not no_relay,
-                                attention_impl=attention_impl),
+            engine=EngineConfig(max_num_seqs=max_batch, kv_cache_gb=kv_cache_gb, prefix_cache_gb=prefix_cache_gb,
+                                relay=not no_relay, attention_impl=attention_impl),
             stats_json=stats_json, flush_rows=flush_rows, devices=devices, worker_timeout=worker_timeout)
         if use_ray:
             summary = _run_on_ray(opts, quiet)

@@ -15,6 +15,7 @@ class EngineConfig:
     min_prefill_seqs: int | None = None  # free slots that start a prefill round; None: max_num_seqs // 8
     block_size: int | None = None  # own keys a KV cache block; None: relaycli.kernels.triton_plan.default_block_size
     kv_cache_gb: float | None = None  # None: a share of free memory
+    prefix_cache_gb: float | None = None  # module paths' shared KV; None: room for the libraries' paths, grown
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after weights
     relay: bool = True  # False: the --no-relay baseline
     attention_impl: str = "auto"  # auto | torch | cpu-flash | triton
@@ -31,6 +32,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_gb is not None and not 0 < self.kv_cache_gb < math.inf:
             raise ConfigError(f"--kv-cache-gb must be a positive number of GiB, got {self.kv_cache_gb}")
+        if self.prefix_cache_gb is not None and not 0 < self.prefix_cache_gb < math.inf:
+            raise ConfigError(f"--prefix-cache-gb must be a positive number of GiB, got {self.prefix_cache_gb}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
         if self.attention_impl not in ("auto", "torch", "cpu-flash", "triton"):

@@ -34,7 +34,8 @@ from relaycli.io.parts import OUTPUT_COLUMNS, OUTPUT_SCHEMA
 from relaycli.io.requests import RequestDefaults, ResultRow, parse_request
 
 ANSWER_SCHEMA = pa.schema([pa.field("row_index", pa.int64(), nullable=False), *OUTPUT_SCHEMA])
-_ENGINE = {"max_batch": "max_num_seqs", "kv_cache_gb": "kv_cache_gb", "attention_impl": "attention_impl"}
+_ENGINE = {"max_batch": "max_num_seqs", "kv_cache_gb": "kv_cache_gb", "prefix_cache_gb": "prefix_cache_gb",
+           "attention_impl": "attention_impl"}
 _DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos")
 
 
@@ -86,7 +87,8 @@ class RelayPredictor:
     def __init__(self, model: str | None = None, prompts: list[str] = (), **options) -> None:
         """model: as --model (None: the embedded default); prompts: .relaykv paths; options: relay
         run's options by their names (max_batch, dtype, device, max_tokens, temperature, seed,
-        top_p, top_k, kv_cache_gb, no_relay, attention_impl, allow_cast, ignore_eos)."""
+        top_p, top_k, kv_cache_gb, prefix_cache_gb, no_relay, attention_impl, allow_cast,
+        ignore_eos)."""
         unknown = sorted(set(options) - OPTIONS)
         if unknown:
             raise ConfigError(f"RelayPredictor: unknown option {unknown[0]!r}; use one of {', '.join(sorted(OPTIONS))}")

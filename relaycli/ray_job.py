@@ -37,7 +37,8 @@ def predictor_kwargs(opts: JobOptions) -> dict:
     """RelayPredictor's constructor arguments for the job's options."""
     d, e = opts.defaults, opts.engine
     kwargs = {"model": opts.model, "prompts": [str(Path(p).resolve()) for p in opts.prompt_paths],
-              "max_batch": e.max_num_seqs, "kv_cache_gb": e.kv_cache_gb, "no_relay": not e.relay,
+              "max_batch": e.max_num_seqs, "kv_cache_gb": e.kv_cache_gb,
+              "prefix_cache_gb": e.prefix_cache_gb, "no_relay": not e.relay,
               "attention_impl": e.attention_impl, "allow_cast": opts.allow_cast, "max_tokens": d.max_tokens,
               "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "seed": d.seed_base,
               "ignore_eos": d.ignore_eos, "dtype": opts.dtype, "device": opts.device}

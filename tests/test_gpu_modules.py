@@ -1,7 +1,8 @@
 """Prompt-module rows on CUDA: the Triton kernels and decode graphs read the prefixes that
 module paths add while the job runs (each addition is written into the room the prefix
-store keeps for the library's paths, and drops the captured graphs), and give the tokens of the CPU engine, which the CPU tests hold equal to
-transformers. CUDA only."""
+store keeps for the library's paths, and drops the captured graphs; paths dropped for room
+move the others down in the store), and give the tokens of the CPU engine, which the CPU
+tests hold equal to transformers. CUDA only."""
 
 from __future__ import annotations
 
@@ -53,3 +54,24 @@ def test_module_rows_on_cuda_give_the_cpu_engines_tokens(default_model, relay_ca
     art = load_checked(library, gpu)
     assert layer.store[0].shape[0] == art.num_tokens + path_tokens([art])  # the room, never grown
     assert layer.used == sum(k.shape[0] for k, _ in layer) < layer.store[0].shape[0]
+
+
+def test_module_paths_dropped_for_room_on_cuda_give_the_cpu_engines_tokens(default_model, relay_cache_dir, tmp_path):
+    library = tmp_path / "shop.relaykv"
+    compile_library(default_model, parse_schema(SCHEMA, tmp_path / "shop.pml"), library)
+    _, want = _tokens(default_model, library)
+    gpu = load_model(None, dtype="float32", device="cuda")
+    art = load_checked(library, gpu)
+    probe = Engine(gpu, [art], EngineConfig(max_num_seqs=2, kv_cache_gb=0.2))
+    per_token = probe.runner.bytes_per_block() // probe.runner.block_size
+    longest = max(sum(b - a for a, b in probe.modules.libraries[0].rows(path))
+                  for path in (("policy", "contract", "clause"), ("policy", "pro")))
+    del probe
+    # room for the longest path alone, two rows read ahead: paths are dropped (the store's
+    # rows moved down, graphs captured again) and built again while rows run
+    engine, got = _tokens(gpu, library, attention_impl="triton", cuda_graphs=True, max_pending_rows=2,
+                          prefix_cache_gb=(longest + 0.5) * per_token / 1024**3)
+    assert engine.stats.module_paths_dropped > 0 and engine.stats.graphed_decode_steps > 0
+    assert got == want
+    layer = engine.runner.attention.prefix_layers[0]
+    assert layer.store[0].shape[0] == engine.runner.max_prefix_tokens  # the bound, never grown

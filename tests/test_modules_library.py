@@ -281,6 +281,19 @@ def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
     # m7 asks m4's question in Prompt Cache's PML form: the same tokens, so the same answer
     assert rows[6]["error"] is None and rows[6]["text"] == rows[3]["text"]
     assert (rows[6]["prompt_tokens"], rows[6]["cached_tokens"]) == (rows[3]["prompt_tokens"], rows[3]["cached_tokens"])
+    # room for the longest path alone (fp32 on the CPU: 46,080 bytes a token): the same answers
+    longest = max(r["cached_tokens"] for r in rows if r["error"] is None)
+    tight, stats = tmp_path / "tight.jsonl", tmp_path / "stats.json"
+    result = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(tight),
+                                 "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0", "--quiet",
+                                 "--prefix-cache-gb", f"{(longest + 0.5) * 46080 / 1024**3:.9f}", "--stats-json",
+                                 str(stats), "--max-batch", "2"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["text"] for line in tight.read_text().splitlines()] == [r["text"] for r in rows]
+    assert json.loads(stats.read_text())["stats"]["module_paths_dropped"] > 0
+    refused = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(tight),
+                                  "--prompt", str(lib), "--prefix-cache-gb", "0"])
+    assert refused.exit_code == 2 and "--prefix-cache-gb must be a positive number" in refused.output
 
 
 def test_the_prefix_store_takes_later_paths_in_its_room_and_grows_past_it():
@@ -322,3 +335,70 @@ def test_a_module_path_the_device_cannot_hold_is_an_error_row(default_model, exa
                                                                {"prompt": "Hello there"}]))}
     assert results[0].error.startswith("row 0: a shared prefix of ") and "lower --kv-cache-gb" in results[0].error
     assert results[1].error is None
+
+
+def test_the_prefix_store_frees_dropped_slots_by_moving_the_others_down():
+    def pair(n, fill):
+        return torch.full((n, 2, 4), float(fill)), torch.full((n, 2, 4), -float(fill))
+    layer = LayerPrefixes.stored([pair(1, 1), pair(5, 2), pair(2, 3)], capacity=12)
+    store = layer.store[0]
+    layer = layer.without({0})  # slot 1 moves down by one row: onto rows it held itself
+    assert layer.store[0] is store and layer.used == 7
+    assert [k.shape[0] for k, _ in layer] == [0, 5, 2]
+    assert [float(k[0, 0, 0]) for k, _ in layer[1:]] == [2.0, 3.0] and layer[2][1][:, 0, 0].tolist() == [-3, -3]
+    assert layer[1][0].data_ptr() == store.data_ptr() and torch.all(store[5:7, 0, 0] == 3)
+    layer = layer.appended([pair(5, 4)])  # into the rows freed: the same store
+    assert layer.store[0] is store and [k.shape[0] for k, _ in layer] == [0, 5, 2, 5] and layer.used == 12
+    assert torch.all(layer[3][0] == 4)
+    listed = LayerPrefixes([pair(3, 1), pair(2, 2)]).without({0})  # no store (CPU): the slot is emptied
+    assert [k.shape[0] for k, _ in listed] == [0, 2] and listed.store is None
+
+
+PATH_ROWS = [{"prompt": "How long do refunds take?", "modules": ["contract", "policy"]},
+             {"prompt": "Can I phone you?", "modules": ["policy", "pro"]},
+             {"prompt": "When is a broken printer replaced?", "modules": ["policy", "contract", "clause"]},
+             {"prompt": "Who are you?", "schema": "shop"},
+             {"prompt": "How long is my plan?", "modules": ["policy", {"name": "basic", "months": "6"}]},
+             {"prompt": "Do you sell paper?", "modules": ["policy", "pro"]},
+             {"prompt": "Is the printer fixed soon?", "modules": ["policy", "contract", "clause"]},
+             {"prompt": "Are refunds quick?", "modules": ["policy", "contract"]}]
+
+
+def _path_run(default_model, exact, raws, **config):
+    engine = Engine(default_model, [load_checked(exact, default_model)],
+                    EngineConfig(max_num_seqs=2, kv_cache_gb=0.1, **config), record_token_ids=True)
+    results = {r.row_index: r for r in engine.generate(_rows(raws))}
+    return engine, results
+
+
+def _gib_for(engine, tokens: float) -> float:
+    return tokens * (engine.runner.bytes_per_block() // engine.runner.block_size) / 1024**3
+
+
+def test_module_paths_past_prefix_cache_gb_are_dropped_built_again_and_answer_alike(default_model, exact):
+    free, want = _path_run(default_model, exact, PATH_ROWS)
+    assert all(r.error is None for r in want.values()) and free.stats.module_paths_dropped == 0
+    art = load_checked(exact, default_model)
+    segs = {s["name"]: s["end"] - s["start"] for s in art.meta["segments"]}
+    longest = segs["system"] + segs["policy"] + segs["contract"] + segs["clause"]
+    # room for the longest path alone: a row of another path waits for the rows in flight;
+    # two rows read ahead, so a path dropped is needed again by a later row
+    tight, got = _path_run(default_model, exact, PATH_ROWS, prefix_cache_gb=_gib_for(free, longest + 0.5),
+                           max_pending_rows=2)
+    assert all(r.error is None for r in got.values()), [r.error for r in got.values()]
+    assert [tight.token_ids_by_row[i] for i in range(len(PATH_ROWS))] == \
+        [free.token_ids_by_row[i] for i in range(len(PATH_ROWS))]
+    assert [got[i].text for i in range(len(PATH_ROWS))] == [want[i].text for i in range(len(PATH_ROWS))]
+    st = tight.stats
+    assert st.module_paths_dropped > 0 and st.module_paths_built > free.stats.module_paths_built
+    assert st.module_paths_built - st.module_paths_dropped == len(tight.modules.slots) == 1
+    assert tight.runner.prefix_tokens <= tight.runner.max_prefix_tokens
+    assert not tight._waiting_room
+
+
+def test_a_module_path_longer_than_prefix_cache_gb_is_an_error_row_and_the_job_goes_on(default_model, exact):
+    engine, results = _path_run(default_model, exact, PATH_ROWS[:4], prefix_cache_gb=_gib_for(
+        Engine(default_model, [], EngineConfig(max_num_seqs=2, kv_cache_gb=0.1)), 2))
+    assert "--prefix-cache-gb" in results[0].error and results[0].error.startswith("row 0: ")
+    assert results[2].error is not None and results[3].error is None  # the library's system prompt alone
+    assert engine.stats.module_paths_built == 0

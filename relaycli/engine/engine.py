@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
@@ -19,7 +20,7 @@ from relaycli.engine.constraints import ConstraintError, Grammars
 from relaycli.engine.feed import Feed, Prefetch, feed_of
 from relaycli.engine.heap import frozen_heap  # noqa: F401 - the job and the benchmarks take it from here
 from relaycli.engine.model_runner import ModelRunner, PrefixKV, StepHandle
-from relaycli.engine.module_prefixes import ModulePrefixes, path_tokens
+from relaycli.engine.module_prefixes import ModulePrefixes, PrefixRoomBusy, path_tokens
 from relaycli.engine.scheduler import Scheduler
 from relaycli.engine.sequence import SamplingOptions, Sequence
 from relaycli.engine.stats import EngineStats
@@ -98,6 +99,10 @@ class Engine:
         self._pending: StepHandle | None = None  # the launched step not yet read back
         self._unattributed = 0.0  # seconds of calls that read nothing back (the first launch)
         self._last_read: StepHandle | None = None  # the step accounted last in this generate call
+        # requests whose module path waits for room that paths in use hold, in arrival order,
+        # and how many sequences had finished when they last tried
+        self._waiting_room: deque[TokenRequest] = deque()
+        self._room_tried_at = -1
 
     # ---- turning rows into sequences -------------------------------------------------
     def _to_token_request(self, row: RequestRow | ResultRow) -> TokenRequest | ResultRow:
@@ -141,14 +146,38 @@ class Engine:
         return TokenRequest(row.row_index, row.id, prepared.own_ids, opts, prepared.prefix_slot, row.url,
                             None, grammar, sp.n, row.label)
 
+    def _slots_in_use(self) -> set[int]:
+        """The prefix slots of the sequences queued, running, or in the step not yet read back."""
+        sched = self.scheduler
+        seqs = itertools.chain(sched.waiting, sched.running, self._pending.seqs if self._pending else ())
+        return {s.prefix_slot for s in seqs if s.prefix_slot is not None}
+
+    def _admit_waiting(self) -> list[ResultRow]:
+        """Admit the requests that wait for room for their module path, where some may now
+        fit: once sequences have finished since they last tried, or when nothing runs (then
+        each either fits or is an error row)."""
+        idle = self.scheduler.num_unfinished == 0 and self._pending is None
+        if not self._waiting_room or (not idle and self.scheduler.num_finished == self._room_tried_at):
+            return []
+        self._room_tried_at = self.scheduler.num_finished
+        waiting, self._waiting_room = self._waiting_room, deque()
+        return [err for err in map(self._admit, waiting) if err is not None]
+
     def _admit(self, req: TokenRequest) -> ResultRow | None:
-        """Queue a request, or return its error row when it can never run."""
+        """Queue a request, or return its error row when it can never run. A request whose
+        module path must wait for room is kept in _waiting_room."""
         slot, first_position = req.prefix_slot, None
         if req.module_pick is not None:
             try:
-                slot, first_position = self.modules.slot(req.module_pick), req.module_pick.next_position
+                slot, first_position = (self.modules.slot(req.module_pick, self._slots_in_use),
+                                        req.module_pick.next_position)
+            except PrefixRoomBusy:
+                self._waiting_room.append(req)
+                return None
             except ConfigError as exc:
                 return ResultRow.failed(req.row_index, req.id, f"{req.where}: {exc}", req.url)
+            finally:
+                self.stats.module_paths_built, self.stats.module_paths_dropped = self.modules.built, self.modules.dropped
         prefix_len = 0 if slot is None else self.runner.prefixes[slot].num_tokens
         end = (prefix_len if first_position is None else first_position) + len(req.own_ids)  # positions
         if end >= self.max_context:
@@ -200,15 +229,17 @@ class Engine:
         feed = feed_of(requests)
         self._last_read = None  # a step of an earlier call is no start for this one's first step
         while True:
-            room = self.config.max_pending_rows - self.scheduler.num_unfinished
+            for err in self._admit_waiting():
+                yield self._count(err)
+            room = self.config.max_pending_rows - self.scheduler.num_unfinished - len(self._waiting_room)
             if room > 0 and not feed.exhausted:
-                idle = self.scheduler.num_unfinished == 0 and self._pending is None
+                idle = self.scheduler.num_unfinished == 0 and self._pending is None and not self._waiting_room
                 for item in feed.take(room, wait=idle):
                     err = item if isinstance(item, ResultRow) else self._admit(item)
                     if err is not None:
                         yield self._count(err)
             if self.scheduler.num_unfinished == 0 and self._pending is None:
-                if feed.exhausted:
+                if feed.exhausted and not self._waiting_room:
                     return
                 continue
             for result in self._step():

@@ -94,10 +94,17 @@ class ModelRunner:
         store = impl == "triton"
         now_tokens = sum(p.num_tokens for p in prefixes)
         per_token = self.bytes_per_block() // self.block_size
+        # --prefix-cache-gb bounds the paths' rows (and sizes the store); without it the
+        # store grows when a path finds no room that dropping unused paths can make
+        self.max_prefix_tokens, self.prefix_cache_gb = None, config.prefix_cache_gb
+        if config.prefix_cache_gb is not None:
+            self.max_prefix_tokens = now_tokens + int(config.prefix_cache_gb * 1024**3 // per_token)
         store_tokens = 0
         if store and later_tokens:
             room = int(self._free_bytes() / 3 // per_token) if self.device.type == "cuda" else later_tokens
             store_tokens = now_tokens + min(later_tokens, room)
+            if self.max_prefix_tokens is not None:
+                store_tokens = self.max_prefix_tokens
         copy_tokens = max(store_tokens, now_tokens if store and len(prefixes) > 1 else 0)
         self.num_blocks = self._num_blocks(config, copy_tokens * per_token)
         # One more block than the block manager hands out: a scratch block that padded
@@ -128,15 +135,35 @@ class ModelRunner:
             from relaycli.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self, config.max_num_seqs, scratch_block=self.num_blocks)
 
+    @property
+    def prefix_tokens(self) -> int:
+        """Rows the loaded prefixes take."""
+        return sum(p.num_tokens for p in self.prefixes)
+
+    def prefix_room(self) -> int | None:
+        """Rows one more prefix may take as things stand: the store's free rows, or what
+        --prefix-cache-gb leaves; None where nothing bounds it (a prefix list that grows)."""
+        if self.max_prefix_tokens is not None:
+            return self.max_prefix_tokens - self.prefix_tokens
+        layer = self.attention.prefix_layers[0] if self.attention.prefix_layers else None
+        if layer is None or layer.store is None:
+            return None
+        return layer.store[0].shape[0] - layer.used
+
     def add_prefix(self, pieces: list[PrefixKV]) -> int:
         """Load one more shared prefix while the engine runs (a prompt-module path), given
         as consecutive pieces (views of an artifact's rows, on the host); its slot.
 
         Where the prefixes live in one store (Triton), the pieces are copied straight into
-        the store's free rows, or a larger store is made; captured decode graphs, whose
-        plans know the loaded prefixes, are dropped to be captured again. ConfigError where
-        the device's memory cannot hold it."""
+        the store's free rows, or a larger store is made (not past --prefix-cache-gb);
+        captured decode graphs, whose plans know the loaded prefixes, are dropped to be
+        captured again. ConfigError where the device's memory, or --prefix-cache-gb, cannot
+        hold it."""
         layers = self.attention.prefix_layers
+        tokens = sum(p.num_tokens for p in pieces)
+        if self.max_prefix_tokens is not None and tokens > self.prefix_room():
+            raise ConfigError(f"its module path ({tokens} tokens, {self._gib(tokens):.3g} GiB) does not fit in "
+                              f"--prefix-cache-gb {self.prefix_cache_gb:g}; raise it")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old store
         try:
@@ -150,10 +177,23 @@ class ModelRunner:
         except (RuntimeError, MemoryError) as exc:
             if not _out_of_memory(exc):
                 raise
-            tokens = sum(p.num_tokens for p in pieces)
             raise ConfigError(f"a shared prefix of {tokens} tokens ({self._gib(tokens):.1f} GiB) does not fit beside "
                              f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
-        layers[:] = grown
+        self._set_prefix_layers(grown)
+        return len(self.prefixes) - 1
+
+    def drop_prefixes(self, slots: set[int]) -> None:
+        """Free the rows of these prefixes (module paths no sequence uses); their slot
+        numbers stay, empty, and the others keep theirs. The store keeps its size: the
+        prefixes left move down in it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no launched step still reads the rows that move
+        self._set_prefix_layers([layer.without(slots) for layer in self.attention.prefix_layers])
+
+    def _set_prefix_layers(self, layers: list[LayerPrefixes]) -> None:
+        """Make these the loaded prefixes; decode graphs, whose plans and pointers know the
+        old ones, are dropped to be captured again."""
+        self.attention.prefix_layers[:] = layers
         self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])
                             for s in range(len(layers[0]))]
         if self.graphs is not None:
@@ -161,7 +201,6 @@ class ModelRunner:
             old = self.graphs
             self.graphs = DecodeGraphs(self, old.max_bs, scratch_block=self.num_blocks)
             self.graphs.num_captures, self.graphs.capture_seconds = old.num_captures, old.capture_seconds
-        return len(self.prefixes) - 1
 
     def _on_device(self, prefixes: list[PrefixKV]) -> list[PrefixKV]:
         """The prefixes' KV in the run's device and dtype; ConfigError where it does not fit."""

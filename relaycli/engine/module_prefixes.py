@@ -1,12 +1,20 @@
 """Rows that name prompt modules: their library, their token ids, and their shared prefix.
 
 A row's shared prefix is its library's system KV followed by its chosen modules' KV, one
-loaded prefix per distinct path, built the first time a row of the job needs it and kept
-for the job: the rows of one path form one prefix group, its KV read once per step for
-all of them, by the same machinery as several `--prompt` artifacts.
+loaded prefix per distinct path, built the first time a row of the job needs it: the rows
+of one path form one prefix group, its KV read once per step for all of them, by the same
+machinery as several `--prompt` artifacts. A path stays loaded while there is room; when a
+new one finds none, the paths no queued or running row uses are dropped, least recently
+used first, and built again if a later row needs them. Where the paths in use hold the
+room, the new path's rows wait for them (PrefixRoomBusy), so a library larger than the
+device's memory runs at the speed its row order allows (rows sorted by module path load
+each path once).
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Callable
 
 from relaycli.engine.model_runner import ModelRunner, PrefixKV
 from relaycli.io.requests import RequestRow
@@ -28,6 +36,10 @@ def path_tokens(artifacts: list) -> int:
     return total
 
 
+class PrefixRoomBusy(Exception):
+    """No room for a module path until rows of the paths in use finish."""
+
+
 class ModulePrefixes:
     def __init__(self, artifacts: list, runner: ModelRunner) -> None:
         self.artifacts, self.runner = artifacts, runner
@@ -38,7 +50,10 @@ class ModulePrefixes:
         for lib in self.libraries:
             self.by_name.setdefault(lib.name, lib)
         self.slots: dict[tuple[int, tuple[str, ...]], int] = {}  # (library, path) -> loaded prefix
+        self._last_use: dict[int, int] = {}  # slot -> tick of the row that last asked for it
+        self._ticks = itertools.count()
         self.built = 0
+        self.dropped = 0  # paths dropped to make room (each built again if a row needs it)
 
     @staticmethod
     def wants(row: RequestRow) -> bool:
@@ -80,14 +95,43 @@ class ModulePrefixes:
             return prepared, None
         return prepared, lib.pick(tokenizer, row.modules)
 
-    def slot(self, pick: ModulePick) -> int:
-        """The loaded prefix of a path, built on its first use (on the engine's thread);
-        ConfigError where the device cannot hold it."""
+    def slot(self, pick: ModulePick, in_use: Callable[[], set[int]]) -> int:
+        """The loaded prefix of a path, built when it is not loaded (on the engine's thread).
+        in_use: the prefix slots that queued or running sequences use. PrefixRoomBusy where
+        only paths in use hold the room it needs; ConfigError where the device (or
+        --prefix-cache-gb) cannot hold it even alone."""
         key = (pick.library, pick.path)
         if key not in self.slots:
             art = self.artifacts[pick.library]
             rows = next(lib for lib in self.libraries if lib.slot == pick.library).rows(pick.path)
+            self._make_room(sum(b - a for a, b in rows), in_use)
             pieces = [PrefixKV([k[a:b] for k in art.keys], [v[a:b] for v in art.values]) for a, b in rows]
             self.slots[key] = self.runner.add_prefix(pieces)
             self.built += 1
+        self._last_use[self.slots[key]] = next(self._ticks)
         return self.slots[key]
+
+    def _make_room(self, tokens: int, in_use: Callable[[], set[int]]) -> None:
+        """Drop unused paths, least recently used first, until `tokens` rows fit. Where the
+        unused ones cannot free enough, nothing is dropped: PrefixRoomBusy while paths in use
+        hold the rest, else add_prefix grows the store (or says it cannot)."""
+        room = self.runner.prefix_room()
+        if room is None or tokens <= room:
+            return
+        busy = in_use()
+        victims = []
+        for slot in sorted(self._last_use, key=self._last_use.get):
+            if room >= tokens:
+                break
+            if slot not in busy:
+                victims.append(slot)
+                room += self.runner.prefixes[slot].num_tokens
+        if room < tokens:
+            if busy & self._last_use.keys():
+                raise PrefixRoomBusy
+            return
+        self.runner.drop_prefixes(set(victims))
+        for slot in victims:
+            del self._last_use[slot]
+        self.slots = {k: s for k, s in self.slots.items() if s not in victims}
+        self.dropped += len(victims)

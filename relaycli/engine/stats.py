@@ -19,7 +19,7 @@ SUMMARY_VALUES = 4096  # values a Summary keeps: exact percentiles up to this ma
 # counts): what `--devices` workers report and their parent sums.
 COUNTERS = ("prefix_hits", "prefix_misses", "prompt_fallbacks", "prefill_steps", "decode_steps", "prefill_seconds",
             "decode_seconds", "preemptions", "graphed_decode_steps", "eager_decode_steps", "device_wait_seconds",
-            "prefill_tokens", "forks")
+            "prefill_tokens", "forks", "module_paths_built", "module_paths_dropped")
 
 
 def quantile(ordered: list[float], q: float) -> float | None:
@@ -99,6 +99,8 @@ class EngineStats:
     device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
     prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
     forks: int = 0  # completions 2..n of rows with n > 1: their prompt's KV is the row's, not prefilled again
+    module_paths_built: int = 0  # prompt-module paths loaded as prefixes (again, after a drop, counted again)
+    module_paths_dropped: int = 0  # paths no row in flight used, dropped to make room for another
     keep_logs: bool = field(default=False, repr=False)  # keep the per-row and per-step lists below
     ttft: Summary = field(default_factory=Summary, repr=False)  # time to first token, per row
     decode_step: Summary = field(default_factory=Summary, repr=False)  # seconds, per decode step
