@@ -223,6 +223,10 @@ def print_summary(s: JobSummary) -> None:
     ]
     if d["graphs_available"] and d["decode_steps"]:
         rows.insert(5, ("decode steps", f"{d['decode_steps']} ({d['graphed_decode_steps']} as CUDA graphs)"))
+    if d["module_paths_built"]:
+        dropped = d["module_paths_dropped"]
+        rows.insert(3, ("module paths", f"{d['module_paths_built']} loaded" + (
+            f", {dropped} dropped for room (rows sorted by module load each path once)" if dropped else "")))
     if s.triton_kernels_compiled or s.graph_captures:
         rows.insert(-1, ("start-up in the job", f"{s.triton_kernels_compiled} Triton kernels compiled in "
                          f"{s.triton_compile_seconds:.1f} s ({s.triton_kernels_loaded} from Triton's cache), "

@@ -285,10 +285,11 @@ def test_the_example_library_compiles_and_runs_through_the_cli(tmp_path):
     longest = max(r["cached_tokens"] for r in rows if r["error"] is None)
     tight, stats = tmp_path / "tight.jsonl", tmp_path / "stats.json"
     result = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(tight),
-                                 "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0", "--quiet",
+                                 "--prompt", str(lib), "--max-tokens", "4", "--temperature", "0",
                                  "--prefix-cache-gb", f"{(longest + 0.5) * 46080 / 1024**3:.9f}", "--stats-json",
                                  str(stats), "--max-batch", "2"])
     assert result.exit_code == 0, result.output
+    assert "dropped for room" in result.output  # the summary says what the room cost
     assert [json.loads(line)["text"] for line in tight.read_text().splitlines()] == [r["text"] for r in rows]
     assert json.loads(stats.read_text())["stats"]["module_paths_dropped"] > 0
     refused = runner.invoke(app, ["run", "--in", str(examples / "module_requests.jsonl"), "--out", str(tight),
