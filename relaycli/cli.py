@@ -157,7 +157,7 @@ def run_cmd(
     temperature: float = typer.Option(1.0, "--temperature", help="Default temperature for rows without one (0 = greedy)."),
     seed: int = typer.Option(0, "--seed", help="Base of the per-row seeds of rows without one."),
     kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache size; default: a share of free memory."),
-    prefix_cache_gb: Optional[float] = typer.Option(None, "--prefix-cache-gb", help="Memory for prompt-module paths; unused paths are dropped to make room. Default: room for every path of the libraries, grown when full."),
+    prefix_cache_gb: Optional[float] = typer.Option(None, "--prefix-cache-gb", help="Memory for prompt-module paths: unused paths are dropped for room, and rows of a path wait while the paths in use fill it. Default: room for every path of the libraries, grown when the paths in use fill it."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job: answer only missing rows."),
     no_relay: bool = typer.Option(False, "--no-relay", help="Baseline: per-request attention over the shared prefix."),
     attention_impl: str = typer.Option("auto", "--attention-impl", help="auto | torch | cpu-flash | triton."),

@@ -403,3 +403,53 @@ def test_a_module_path_longer_than_prefix_cache_gb_is_an_error_row_and_the_job_g
     assert "--prefix-cache-gb" in results[0].error and results[0].error.startswith("row 0: ")
     assert results[2].error is not None and results[3].error is None  # the library's system prompt alone
     assert engine.stats.module_paths_built == 0
+
+
+def _order(engine, raws):
+    rows = [parse_request(dict(r, temperature=0, ignore_eos=True), i) for i, r in enumerate(raws)]
+    return [r.row_index for r in engine.generate(rows)], engine
+
+
+def test_a_waiting_path_is_admitted_as_soon_as_a_finished_row_frees_its_room(default_model, exact):
+    art = load_checked(exact, default_model)
+    segs = {s["name"]: s["end"] - s["start"] for s in art.meta["segments"]}
+    q, r, w = (segs["system"] + segs["policy"] + segs[m] for m in ("contract", "pro", "basic"))
+    probe = Engine(default_model, [], EngineConfig(max_num_seqs=2, kv_cache_gb=0.1))
+    # room for q and r, or r and w: w waits for q's two tokens, not for r's forty
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=3, kv_cache_gb=0.1, max_pending_rows=3,
+                                                       prefix_cache_gb=_gib_for(probe, max(q + r, r + w) + 0.5)))
+    order, _ = _order(engine, [{"prompt": "Refunds?", "modules": ["policy", "contract"], "max_tokens": 2},
+                               {"prompt": "Phone?", "modules": ["policy", "pro"], "max_tokens": 40},
+                               {"prompt": "Plan?", "modules": ["policy", {"name": "basic", "months": "6"}],
+                                "max_tokens": 2}])
+    assert order == [0, 2, 1] and engine.stats.module_paths_dropped == 1
+
+
+def test_a_path_longer_than_prefix_cache_gb_fails_at_once_while_others_run(default_model, exact):
+    art = load_checked(exact, default_model)
+    segs = {s["name"]: s["end"] - s["start"] for s in art.meta["segments"]}
+    probe = Engine(default_model, [], EngineConfig(max_num_seqs=2, kv_cache_gb=0.1))
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=2, kv_cache_gb=0.1, prefix_cache_gb=_gib_for(
+        probe, segs["system"] + segs["policy"] + 0.5)))  # room for the policy path alone
+    rows = [parse_request(dict(r, temperature=0, ignore_eos=True), i) for i, r in enumerate(
+        [{"prompt": "Refunds?", "modules": ["policy"], "max_tokens": 30},
+         {"prompt": "Printer?", "modules": ["policy", "contract"], "max_tokens": 2}])]
+    results = list(engine.generate(rows))
+    assert [r.row_index for r in results] == [1, 0]
+    assert "longer than --prefix-cache-gb" in results[0].error and results[1].error is None
+
+
+def test_without_prefix_cache_gb_a_full_store_grows_instead_of_making_rows_wait(default_model, independent):
+    art = load_checked(independent, default_model)
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=4, kv_cache_gb=0.1))
+    runner = engine.runner  # the CPU keeps a prefix list: give it the store a CUDA runner keeps
+    room = runner.prefix_tokens + path_tokens([art])
+    runner.attention_impl = "triton"
+    runner._set_prefix_layers([LayerPrefixes.stored(list(layer), capacity=room)
+                               for layer in runner.attention.prefix_layers])
+    # two paths of two modules each fill the room that single-module paths were counted for
+    order, _ = _order(engine, [{"prompt": "Ostby?", "modules": ["ostby", "falgor"], "max_tokens": 30},
+                               {"prompt": "Kelrim?", "modules": ["kelrim", "falgor"], "max_tokens": 30},
+                               {"prompt": "Mayor?", "modules": ["ostby"], "max_tokens": 2}])
+    assert order[0] == 2 and not engine._waiting_room and engine.stats.module_paths_dropped == 0
+    assert runner.attention.prefix_layers[0].store[0].shape[0] > room  # grown

@@ -99,9 +99,11 @@ class Engine:
         self._pending: StepHandle | None = None  # the launched step not yet read back
         self._unattributed = 0.0  # seconds of calls that read nothing back (the first launch)
         self._last_read: StepHandle | None = None  # the step accounted last in this generate call
-        # requests whose module path waits for room that paths in use hold, in arrival order,
-        # and how many sequences had finished when they last tried
+        # requests whose module path waits for room that paths in use hold, in arrival order;
+        # steps read back that held a finished sequence (its path is free from then on), and
+        # their count when the waiting requests last tried
         self._waiting_room: deque[TokenRequest] = deque()
+        self._released = 0
         self._room_tried_at = -1
 
     # ---- turning rows into sequences -------------------------------------------------
@@ -154,12 +156,12 @@ class Engine:
 
     def _admit_waiting(self) -> list[ResultRow]:
         """Admit the requests that wait for room for their module path, where some may now
-        fit: once sequences have finished since they last tried, or when nothing runs (then
-        each either fits or is an error row)."""
+        fit: once a step read back since they last tried ended a sequence (no launched step
+        reads its path any more), or when nothing runs (then each fits or is an error row)."""
         idle = self.scheduler.num_unfinished == 0 and self._pending is None
-        if not self._waiting_room or (not idle and self.scheduler.num_finished == self._room_tried_at):
+        if not self._waiting_room or (not idle and self._released == self._room_tried_at):
             return []
-        self._room_tried_at = self.scheduler.num_finished
+        self._room_tried_at = self._released
         waiting, self._waiting_room = self._waiting_room, deque()
         return [err for err in map(self._admit, waiting) if err is not None]
 
@@ -299,6 +301,8 @@ class Engine:
             finished += self._read_back(launched)
             read, self._pending = launched, None
         self._unattributed += time.perf_counter() - t0
+        if read is not None and self._waiting_room and any(s.is_finished for s in read.seqs):
+            self._released += 1
         if read is not None:
             self._account(read, self._unattributed)
             self._unattributed = 0.0

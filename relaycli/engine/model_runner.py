@@ -94,17 +94,22 @@ class ModelRunner:
         store = impl == "triton"
         now_tokens = sum(p.num_tokens for p in prefixes)
         per_token = self.bytes_per_block() // self.block_size
-        # --prefix-cache-gb bounds the paths' rows (and sizes the store); without it the
-        # store grows when a path finds no room that dropping unused paths can make
+        # --prefix-cache-gb bounds the paths' rows: unused paths are dropped for room, and
+        # the store grows up to the bound. Without it the store grows when the paths in
+        # use fill it.
         self.max_prefix_tokens, self.prefix_cache_gb = None, config.prefix_cache_gb
+        self.num_fixed_prefix_tokens = now_tokens  # the artifacts' prefixes, never dropped
         if config.prefix_cache_gb is not None:
+            if self.device.type == "cuda" and config.prefix_cache_gb * 1024**3 > self._free_bytes():
+                raise ConfigError(f"--prefix-cache-gb {config.prefix_cache_gb:g} is more than the "
+                                  f"{self._free_bytes() / 1024**3:.1f} GiB free on {self.device}; lower it")
             self.max_prefix_tokens = now_tokens + int(config.prefix_cache_gb * 1024**3 // per_token)
         store_tokens = 0
         if store and later_tokens:
             room = int(self._free_bytes() / 3 // per_token) if self.device.type == "cuda" else later_tokens
             store_tokens = now_tokens + min(later_tokens, room)
             if self.max_prefix_tokens is not None:
-                store_tokens = self.max_prefix_tokens
+                store_tokens = min(store_tokens, self.max_prefix_tokens)
         copy_tokens = max(store_tokens, now_tokens if store and len(prefixes) > 1 else 0)
         self.num_blocks = self._num_blocks(config, copy_tokens * per_token)
         # One more block than the block manager hands out: a scratch block that padded
@@ -141,8 +146,8 @@ class ModelRunner:
         return sum(p.num_tokens for p in self.prefixes)
 
     def prefix_room(self) -> int | None:
-        """Rows one more prefix may take as things stand: the store's free rows, or what
-        --prefix-cache-gb leaves; None where nothing bounds it (a prefix list that grows)."""
+        """Rows one more prefix may take before unused ones must go: what --prefix-cache-gb
+        leaves, else the store's free rows; None where nothing bounds it (a prefix list)."""
         if self.max_prefix_tokens is not None:
             return self.max_prefix_tokens - self.prefix_tokens
         layer = self.attention.prefix_layers[0] if self.attention.prefix_layers else None

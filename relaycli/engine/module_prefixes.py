@@ -17,6 +17,7 @@ import itertools
 from typing import Callable
 
 from relaycli.engine.model_runner import ModelRunner, PrefixKV
+from relaycli.errors import ConfigError
 from relaycli.io.requests import RequestRow
 from relaycli.module_rows import Library, ModulePick
 from relaycli.prompts import PreparedPrompt, PromptError, PromptMatcher
@@ -113,11 +114,16 @@ class ModulePrefixes:
 
     def _make_room(self, tokens: int, in_use: Callable[[], set[int]]) -> None:
         """Drop unused paths, least recently used first, until `tokens` rows fit. Where the
-        unused ones cannot free enough, nothing is dropped: PrefixRoomBusy while paths in use
-        hold the rest, else add_prefix grows the store (or says it cannot)."""
+        unused ones cannot free enough, nothing is dropped: under --prefix-cache-gb the
+        path waits (PrefixRoomBusy) while paths in use hold the rest, or is refused where it
+        could never fit; without it add_prefix grows the store (or says it cannot)."""
         room = self.runner.prefix_room()
         if room is None or tokens <= room:
             return
+        bound = self.runner.max_prefix_tokens
+        if bound is not None and tokens > bound - self.runner.num_fixed_prefix_tokens:
+            raise ConfigError(f"its module path ({tokens} tokens) is longer than --prefix-cache-gb "
+                              f"{self.runner.prefix_cache_gb:g} holds; raise it")
         busy = in_use()
         victims = []
         for slot in sorted(self._last_use, key=self._last_use.get):
@@ -127,7 +133,7 @@ class ModulePrefixes:
                 victims.append(slot)
                 room += self.runner.prefixes[slot].num_tokens
         if room < tokens:
-            if busy & self._last_use.keys():
+            if bound is not None and busy & self._last_use.keys():
                 raise PrefixRoomBusy
             return
         self.runner.drop_prefixes(set(victims))

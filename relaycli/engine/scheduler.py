@@ -33,7 +33,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_finished = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -124,4 +123,3 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.num_finished += 1
