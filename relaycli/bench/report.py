@@ -197,7 +197,9 @@ def jobs_table(report: dict) -> Table:
     t = Table(title="relay bench jobs: whole relay run jobs", title_justify="left")
     for col in ("job", "rows", "errors", "process (s)", "job (s)", "rows/s", "x no-relay", "decode steps (graphed)",
                 "step p50 (ms)", "prefill (s)", "prefix hits / misses", "Triton kernels compiled (s)"):
-        t.add_column(col, justify="left" if col == "job" else "right")
+        # a job's whole name on one line, the numbers' columns narrowed for it
+        t.add_column(col, justify="left" if col == "job" else "right", no_wrap=col == "job",
+                     min_width=max((len(r["job"]) for r in rows), default=3) if col == "job" else None)
     for r in rows:
         twin = next((rate[n] for n in (r["job"] + "-no-relay", r["job"].replace("-cold", "-no-relay-cold"))
                      if n != r["job"] and rate.get(n)), None)
