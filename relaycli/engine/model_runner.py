@@ -155,6 +155,13 @@ class ModelRunner:
             return None
         return layer.store[0].shape[0] - layer.used
 
+    def check_prefix_bound(self, tokens: int) -> None:
+        """ConfigError where a prefix of `tokens` rows could never fit --prefix-cache-gb,
+        whatever else is dropped (the artifacts' own prefixes stay)."""
+        if self.max_prefix_tokens is not None and tokens > self.max_prefix_tokens - self.num_fixed_prefix_tokens:
+            raise ConfigError(f"its module path ({tokens} tokens, {self._gib(tokens):.3g} GiB) is longer than "
+                              f"--prefix-cache-gb {self.prefix_cache_gb:g} holds; raise it")
+
     def add_prefix(self, pieces: list[PrefixKV]) -> int:
         """Load one more shared prefix while the engine runs (a prompt-module path), given
         as consecutive pieces (views of an artifact's rows, on the host); its slot.
@@ -166,9 +173,10 @@ class ModelRunner:
         hold it."""
         layers = self.attention.prefix_layers
         tokens = sum(p.num_tokens for p in pieces)
+        self.check_prefix_bound(tokens)
         if self.max_prefix_tokens is not None and tokens > self.prefix_room():
-            raise ConfigError(f"its module path ({tokens} tokens, {self._gib(tokens):.3g} GiB) does not fit in "
-                              f"--prefix-cache-gb {self.prefix_cache_gb:g}; raise it")
+            raise ConfigError(f"its module path ({tokens} tokens) does not fit in --prefix-cache-gb "
+                              f"{self.prefix_cache_gb:g} beside the paths loaded; drop unused ones first")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old store
         try:

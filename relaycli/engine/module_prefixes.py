@@ -17,7 +17,6 @@ import itertools
 from typing import Callable
 
 from relaycli.engine.model_runner import ModelRunner, PrefixKV
-from relaycli.errors import ConfigError
 from relaycli.io.requests import RequestRow
 from relaycli.module_rows import Library, ModulePick
 from relaycli.prompts import PreparedPrompt, PromptError, PromptMatcher
@@ -120,10 +119,7 @@ class ModulePrefixes:
         room = self.runner.prefix_room()
         if room is None or tokens <= room:
             return
-        bound = self.runner.max_prefix_tokens
-        if bound is not None and tokens > bound - self.runner.num_fixed_prefix_tokens:
-            raise ConfigError(f"its module path ({tokens} tokens) is longer than --prefix-cache-gb "
-                              f"{self.runner.prefix_cache_gb:g} holds; raise it")
+        self.runner.check_prefix_bound(tokens)
         busy = in_use()
         victims = []
         for slot in sorted(self._last_use, key=self._last_use.get):
@@ -133,7 +129,7 @@ class ModulePrefixes:
                 victims.append(slot)
                 room += self.runner.prefixes[slot].num_tokens
         if room < tokens:
-            if bound is not None and busy & self._last_use.keys():
+            if self.runner.max_prefix_tokens is not None and busy & self._last_use.keys():
                 raise PrefixRoomBusy
             return
         self.runner.drop_prefixes(set(victims))
