@@ -1,7 +1,7 @@
 """Prompt-module rows on CUDA: the Triton kernels and decode graphs read the prefixes that
 module paths add while the job runs (each addition is written into the room the prefix
-store keeps for the library's paths, and drops the captured graphs; paths dropped for room
-move the others down in the store), and give the tokens of the CPU engine, which the CPU
+store keeps for the library's paths, and keeps the captured graphs; paths dropped for
+room move the others down in the store, and the graphs are captured again), and give the tokens of the CPU engine, which the CPU
 tests hold equal to transformers. CUDA only."""
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def test_module_rows_on_cuda_give_the_cpu_engines_tokens(default_model, relay_ca
     assert engine.modules.built == 4
     assert engine.stats.graphed_decode_steps > 0
     assert got == want
+    graphs = engine.runner.graphs  # paths written into the store's room keep every graph
+    assert graphs.num_captures == len(graphs.graphs) > 0
     layer = engine.runner.attention.prefix_layers[0]
     art = load_checked(library, gpu)
     assert layer.store[0].shape[0] == art.num_tokens + path_tokens([art])  # the room, never grown

@@ -83,7 +83,10 @@ class DecodeGraphs:
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         # the PrefixTable of MIXED steps (relaycli.kernels.metadata): each row's group, each group's range
         self.prefix_lens = [p.num_tokens for p in self.prefixes]
-        self.table_groups = max(1, min(len(self.prefixes), MAX_TABLE_GROUPS))
+        # a runner that adds prefixes as the job runs (module paths) gets the full table
+        # up front, so its graphs outlive the additions (prefix_added)
+        self.table_groups = MAX_TABLE_GROUPS if runner.adds_prefixes else max(1, min(len(self.prefixes),
+                                                                                    MAX_TABLE_GROUPS))
         self.row_group = torch.full((self.max_bs,), self.table_groups, dtype=torch.int32, device=dev)
         self.groups = torch.zeros(self.table_groups + 1, 4, dtype=torch.int32, device=dev)
         # One logits buffer for every graph: each graph's own output would stay allocated
@@ -100,6 +103,13 @@ class DecodeGraphs:
         self.num_captures = 0
         self.capture_seconds = 0.0  # captures of new keys (their first step's eager pass not included)
         self.eager_reason: str | None = None  # why the last key() gave None
+
+    def prefix_added(self) -> None:
+        """One more prefix was written into free rows of the store: the captured graphs stay
+        valid (the other prefixes and the store did not move; a PrefixTable step reads each
+        group's key range and length from its buffers, and a longer prefix only changes the
+        split plan of later keys)."""
+        self.prefix_lens = [p.num_tokens for p in self.prefixes]
 
     def key(self, seqs: list[Sequence]) -> tuple | None:
         """The graph that can run this step, or None (eager_reason says why):

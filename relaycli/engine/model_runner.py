@@ -104,6 +104,7 @@ class ModelRunner:
                 raise ConfigError(f"--prefix-cache-gb {config.prefix_cache_gb:g} is more than the "
                                   f"{self._free_bytes() / 1024**3:.1f} GiB free on {self.device}; lower it")
             self.max_prefix_tokens = now_tokens + int(config.prefix_cache_gb * 1024**3 // per_token)
+        self.adds_prefixes = bool(later_tokens)  # module paths come while the engine runs
         store_tokens = 0
         if store and later_tokens:
             room = int(self._free_bytes() / 3 // per_token) if self.device.type == "cuda" else later_tokens
@@ -167,10 +168,9 @@ class ModelRunner:
         as consecutive pieces (views of an artifact's rows, on the host); its slot.
 
         Where the prefixes live in one store (Triton), the pieces are copied straight into
-        the store's free rows, or a larger store is made (not past --prefix-cache-gb);
-        captured decode graphs, whose plans know the loaded prefixes, are dropped to be
-        captured again. ConfigError where the device's memory, or --prefix-cache-gb, cannot
-        hold it."""
+        the store's free rows (captured decode graphs stay valid), or a larger store is made
+        (not past --prefix-cache-gb; the graphs, which point into the old one, are dropped).
+        ConfigError where the device's memory, or --prefix-cache-gb, cannot hold it."""
         layers = self.attention.prefix_layers
         tokens = sum(p.num_tokens for p in pieces)
         self.check_prefix_bound(tokens)
@@ -192,7 +192,9 @@ class ModelRunner:
                 raise
             raise ConfigError(f"a shared prefix of {tokens} tokens ({self._gib(tokens):.1f} GiB) does not fit beside "
                              f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
-        self._set_prefix_layers(grown)
+        moved = any(new.store is None or new.store[0] is not old.store[0] for new, old in zip(grown, layers)
+                    if old.store is not None)
+        self._set_prefix_layers(grown, keep_graphs=not moved and layers[0].store is not None)
         return len(self.prefixes) - 1
 
     def drop_prefixes(self, slots: set[int]) -> None:
@@ -203,13 +205,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # no launched step still reads the rows that move
         self._set_prefix_layers([layer.without(slots) for layer in self.attention.prefix_layers])
 
-    def _set_prefix_layers(self, layers: list[LayerPrefixes]) -> None:
-        """Make these the loaded prefixes; decode graphs, whose plans and pointers know the
-        old ones, are dropped to be captured again."""
+    def _set_prefix_layers(self, layers: list[LayerPrefixes], keep_graphs: bool = False) -> None:
+        """Make these the loaded prefixes. Decode graphs, whose pointers know the old ones,
+        are dropped to be captured again, unless keep_graphs (a prefix written into the
+        store's free rows, nothing moved)."""
         self.attention.prefix_layers[:] = layers
         self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])
                             for s in range(len(layers[0]))]
-        if self.graphs is not None:
+        if self.graphs is not None and keep_graphs:
+            self.graphs.prefix_added()
+        elif self.graphs is not None:
             from relaycli.engine.cuda_graph import DecodeGraphs
             old = self.graphs
             self.graphs = DecodeGraphs(self, old.max_bs, scratch_block=self.num_blocks)
