@@ -121,3 +121,27 @@ def test_random_finishes_lose_no_sequence(seed):
                 sched.finish(seq)
                 done.append(seq.seq_id)
     assert sorted(done) == list(range(total))
+
+
+def test_a_round_takes_sequences_by_shared_prefix():
+    sched = Scheduler(EngineConfig(max_num_seqs=6, min_prefill_seqs=2), BlockManager(1000, 16))
+    seqs = {}
+
+    def add(i: int, slot: int | None) -> None:
+        seqs[i] = Sequence(i, [1, 2, 3], SamplingOptions(max_tokens=64), 0 if slot is None else 5, slot)
+        sched.add(seqs[i])
+    for i, slot in enumerate([0, 0, 0, 1, None, 1]):
+        add(i, slot)
+    # nothing running: the prefixes most sequences share first, each in arrival order
+    assert [s.seq_id for s in sched.schedule()[0]] == [0, 1, 2, 3, 5, 4]
+    assert not sched.schedule()[1]  # a decode step ends the round
+    for i, slot in enumerate([2, 1, 0, 2, 0, None], start=6):
+        add(i, slot)
+    seqs[5].output_ids.append(7)  # preempted (slot 1): it keeps its turn
+    sched._preempt(seqs[5])
+    sched.finish(seqs[3])  # running: slot 0 x3, no prefix x1
+    scheduled, is_prefill = sched.schedule()
+    assert is_prefill and [s.seq_id for s in scheduled] == [5, 8]  # two free slots
+    # then slot 0 (3 running), no prefix (1 running), then slots 1 and 2 (2 queued each,
+    # slot 1 queued first)
+    assert [s.seq_id for s in sched.waiting] == [10, 11, 7, 6, 9]

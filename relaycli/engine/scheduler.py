@@ -12,11 +12,17 @@ share its prompt's blocks and start from its prefill's logits, so the prompt is 
 once. When the cache runs out during decode, the newest sequence is preempted: its blocks
 are freed and it is recomputed later (its prefix is never recomputed). A decode step
 lists its sequences longest own context first.
+
+A round takes the waiting sequences by shared prefix: preempted ones first, then those
+whose prefix the running batch holds most of, then those whose prefix most others in the
+queue share (a prefix's sequences in arrival order): a decode step reads each prefix in
+it once for all its rows, so a batch of few prefixes reads fewer bytes a step, and the
+rarely used ones drain from it. Which sequences share a step never changes a row's tokens.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from relaycli.config import EngineConfig
 from relaycli.engine.block_manager import BlockManager
@@ -52,6 +58,8 @@ class Scheduler:
         num_tokens = 0
         if not self.is_filling and self.waiting:
             self.is_filling = self._round_can_start()
+            if self.is_filling:
+                self._order_by_prefix()
         while self.is_filling and self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             own = seq.num_own_tokens
@@ -94,6 +102,15 @@ class Scheduler:
         # is stable from step to step (every row grows by one token; ties keep their order).
         decode.sort(key=lambda s: s.num_own_tokens, reverse=True)
         return decode, False
+
+    def _order_by_prefix(self) -> None:
+        """The waiting sequences in the order a round takes them (the module docstring)."""
+        held = Counter(seq.prefix_slot for seq in self.running)
+        queued = Counter(seq.prefix_slot for seq in self.waiting)
+        if len(held.keys() | queued.keys()) > 1:
+            first = {slot: rank for rank, slot in enumerate(queued)}  # arrival order of the prefixes
+            self.waiting = deque(sorted(self.waiting, key=lambda seq: (
+                not seq.output_ids, -held[seq.prefix_slot], -queued[seq.prefix_slot], first[seq.prefix_slot])))
 
     def _round_can_start(self) -> bool:
         """A round starts when nothing else would run, or when the next min_prefill_seqs
