@@ -4,13 +4,21 @@ cache. Counted through Triton's compilation listener (knobs.compilation.listener
 this Triton has one), chained after any listener already installed.
 
 Before it can load a kernel from that cache, a process computes Triton's key of the
-installation once: a hash of its compiler's sources and its 500 MB library, about 0.4 s,
-on the thread of the first launch. `prepare_cache_key` computes it beforehand, on a thread
-beside the model's load (the hashing releases the GIL)."""
+installation once: a hash of its compiler's sources and its 500 MB library, about a
+second, on the thread of the first launch. `start_cache_key` computes it beforehand, on a
+thread beside torch's import and the model's load (the hashing releases the GIL), and
+`prepare_cache_key` waits for that computation instead of hashing again."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import threading
 from dataclasses import dataclass, field
+
+# One computation of the key at a time: a caller that comes while another thread hashes
+# waits for its result (Triton caches it) rather than hashing the library a second time.
+_KEY_LOCK = threading.Lock()
 
 
 @dataclass
@@ -68,10 +76,23 @@ def _kernel_name(src, metadata) -> str:
 
 
 def prepare_cache_key() -> None:
-    """Compute Triton's key of this installation now, so the first kernel launch finds it
-    made (a no-op without Triton)."""
-    try:
-        from triton.runtime.cache import triton_key
-        triton_key()  # cached by Triton for the rest of the process
-    except Exception:  # noqa: BLE001 - only a head start: the first launch computes it anyway
-        pass
+    """Compute Triton's key of this installation now, or wait for the thread computing it,
+    so the first kernel launch finds it made (a no-op without Triton)."""
+    with _KEY_LOCK:
+        try:
+            from triton.runtime.cache import triton_key
+            triton_key()  # cached by Triton for the rest of the process
+        except Exception:  # noqa: BLE001 - only a head start: the first launch computes it anyway
+            pass
+
+
+def start_cache_key(device: str | None) -> bool:
+    """Start prepare_cache_key on a thread where a job on `device` (None: the default) may
+    run Triton kernels: Triton is installed and an NVIDIA driver is present. It asks only
+    the file system, so a process can start it before importing torch. Whether it started."""
+    if device is not None and not device.startswith("cuda"):
+        return False
+    if not os.path.exists("/dev/nvidiactl") or importlib.util.find_spec("triton") is None:
+        return False
+    threading.Thread(target=prepare_cache_key, name="relay-triton-key", daemon=True).start()
+    return True

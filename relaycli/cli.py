@@ -170,6 +170,9 @@ def run_cmd(
     use_ray: bool = typer.Option(False, "--ray", help="Run on Ray Data (RAY_ADDRESS or a local cluster); OUT is a Parquet folder."),
 ) -> None:
     """Answer every request of a file, reusing compiled system prompts."""
+    from relaycli.kernels.compile_log import start_cache_key
+    if devices is None and not use_ray and attention_impl in ("auto", "triton"):
+        start_cache_key(device)  # beside torch's import and the model's load
     from relaycli.config import EngineConfig
     from relaycli.io.requests import RequestDefaults
     from relaycli.job import JobOptions

@@ -138,6 +138,33 @@ def test_tritons_cache_key_is_made_beforehand_and_only_for_jobs_that_may_run_tri
     assert not uses_triton(dataclasses.replace(job, device=None, engine=EngineConfig(attention_impl="torch")))
 
 
+def test_a_caller_of_prepare_cache_key_waits_for_the_thread_making_it_instead_of_hashing_again(monkeypatch):
+    import functools
+    import threading
+    import time
+
+    cache = pytest.importorskip("triton.runtime.cache")
+    from relaycli.kernels import compile_log
+    made = []
+
+    @functools.lru_cache()
+    def slow_key():  # Triton's key: a second of hashing, cached once made
+        made.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return "key"
+
+    monkeypatch.setattr(cache, "triton_key", slow_key)
+    early = threading.Thread(target=compile_log.prepare_cache_key, name="early")
+    early.start()
+    time.sleep(0.05)
+    compile_log.prepare_cache_key()  # the job, before its engine's first launch
+    early.join()
+    assert made == ["early"]
+    assert not compile_log.start_cache_key("cpu")  # a CPU job runs no Triton kernel
+    monkeypatch.setattr(compile_log.os.path, "exists", lambda path: False)
+    assert not compile_log.start_cache_key(None)  # no NVIDIA driver here
+
+
 def test_write_behind_writes_in_order_on_its_thread_and_raises_a_failed_write_on_the_callers():
     from relaycli.io.write_behind import WriteBehind
     written, threads = [], set()
