@@ -425,6 +425,31 @@ def test_a_waiting_path_is_admitted_as_soon_as_a_finished_row_frees_its_room(def
     assert order == [0, 2, 1] and engine.stats.module_paths_dropped == 1
 
 
+def test_time_waiting_for_room_counts_toward_a_rows_time_to_first_token(default_model, exact, monkeypatch):
+    from relaycli.engine import engine as engine_module
+    from relaycli.engine.module_prefixes import PrefixRoomBusy
+    art = load_checked(exact, default_model)
+    engine = Engine(default_model, [art], EngineConfig(max_num_seqs=2, kv_cache_gb=0.1))
+    req = engine._to_token_request(parse_request({"prompt": "Refunds?", "modules": ["policy"], "max_tokens": 2}, 0))
+    now = [10.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: now[0])
+    slot = engine.modules.slot
+    answers = iter([PrefixRoomBusy(), None])
+
+    def busy_once(pick, in_use):
+        answer = next(answers)
+        if answer is not None:
+            raise answer
+        return slot(pick, in_use)
+
+    monkeypatch.setattr(engine.modules, "slot", busy_once)
+    assert engine._admit(req) is None and list(engine._waiting_room) == [req]  # at 10.0: no room
+    now[0] = 50.0
+    assert engine._admit_waiting() == [] and not engine._waiting_room  # at 50.0: admitted
+    (seq,) = engine.scheduler.waiting
+    assert seq.arrival_time == 10.0
+
+
 def test_a_path_longer_than_prefix_cache_gb_fails_at_once_while_others_run(default_model, exact):
     art = load_checked(exact, default_model)
     segs = {s["name"]: s["end"] - s["start"] for s in art.meta["segments"]}

@@ -49,6 +49,7 @@ class TokenRequest:
     grammar: object | None = None  # the compiled constraint its answers must match
     n: int = 1  # completions, sharing the prompt's KV
     label: str | None = None  # how its error rows name it (RequestRow.label); None: "row N"
+    queued_at: float | None = None  # perf_counter when it first reached the engine: its TTFT counts from here
 
     @property
     def where(self) -> str:
@@ -169,12 +170,14 @@ class Engine:
         """Queue a request, or return its error row when it can never run. A request whose
         module path must wait for room is kept in _waiting_room."""
         slot, first_position = req.prefix_slot, None
+        if req.queued_at is None:
+            req.queued_at = time.perf_counter()
         if req.module_pick is not None:
             try:
                 slot, first_position = (self.modules.slot(req.module_pick, self._slots_in_use),
                                         req.module_pick.next_position)
             except PrefixRoomBusy:
-                self._waiting_room.append(req)
+                self._waiting_room.append(req)  # the wait counts toward its TTFT
                 return None
             except ConfigError as exc:
                 return ResultRow.failed(req.row_index, req.id, f"{req.where}: {exc}", req.url)
@@ -193,7 +196,7 @@ class Engine:
         opts = req.sampling
         max_new = min(opts.max_tokens, self.max_context - end)
         seq = Sequence(next(self._seq_ids), req.own_ids, opts, prefix_len, slot,
-                       arrival_time=time.perf_counter(), first_position=first_position)
+                       arrival_time=req.queued_at, first_position=first_position)
         if not self.scheduler.fits_ever(seq, max_new):
             return ResultRow.failed(req.row_index, req.id, f"{req.where}: prompt plus max_tokens needs "
                                     f"{seq.num_own_tokens + max_new} KV slots, the cache holds "

@@ -60,7 +60,7 @@ class Sequence:
     num_cached_own: int = 0  # own tokens whose k/v are in the paged cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    arrival_time: float = 0.0  # perf_counter when admitted
+    arrival_time: float = 0.0  # perf_counter when its request reached the engine
     first_token_time: float | None = None  # perf_counter when its first token was sampled
     first_position: int | None = None  # the position of own token 0; None: num_prefix_tokens
     # Structured answers (all None/empty for a plain row):
