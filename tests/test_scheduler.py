@@ -141,7 +141,33 @@ def test_a_round_takes_sequences_by_shared_prefix():
     sched._preempt(seqs[5])
     sched.finish(seqs[3])  # running: slot 0 x3, no prefix x1
     scheduled, is_prefill = sched.schedule()
-    assert is_prefill and [s.seq_id for s in scheduled] == [5, 8]  # two free slots
-    # then slot 0 (3 running), no prefix (1 running), then slots 1 and 2 (2 queued each,
-    # slot 1 queued first)
-    assert [s.seq_id for s in sched.waiting] == [10, 11, 7, 6, 9]
+    # two free slots: the preempted one, then the prefix of the longest-waiting (6, slot 2)
+    assert is_prefill and [s.seq_id for s in scheduled] == [5, 6]
+    # then slot 0 (3 running), no prefix (1 running), then slot 1 (0 running)
+    assert [s.seq_id for s in sched.waiting] == [9, 8, 10, 11, 7]
+
+
+def test_every_round_takes_the_longest_waiting_sequence_so_a_rare_prefix_is_never_starved():
+    """An engine-like loop: the queue refilled to 4 x the batch, each row 20 decode steps,
+    one row in 50 of a rare prefix. Grouping by the prefixes the batch holds would keep a
+    rare row waiting while common ones keep coming; each round takes the longest-waiting."""
+    sched = Scheduler(EngineConfig(max_num_seqs=8, min_prefill_seqs=2), BlockManager(100000, 16))
+    fed, age, started = 0, {}, {}
+    while fed < 600 or sched.num_unfinished:
+        while fed < 600 and sched.num_unfinished < 32:
+            slot = 1 if fed % 50 == 7 else 0
+            sched.add(Sequence(fed, [1, 2, 3], SamplingOptions(max_tokens=64), 5, slot))
+            fed += 1
+        seqs, is_prefill = sched.schedule()
+        for seq in seqs:
+            if is_prefill:
+                started[seq.seq_id] = len(started)
+                age[seq.seq_id] = 0
+            else:
+                seq.output_ids.append(1)
+                age[seq.seq_id] += 1
+                if age[seq.seq_id] >= 20:
+                    sched.finish(seq)
+    rare = [i for i in range(600) if i % 50 == 7]
+    # each rare row starts within one batch of its place in arrival order
+    assert all(started[i] <= i + 8 for i in rare), [(i, started[i]) for i in rare]

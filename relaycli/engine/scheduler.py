@@ -14,10 +14,12 @@ are freed and it is recomputed later (its prefix is never recomputed). A decode 
 lists its sequences longest own context first.
 
 A round takes the waiting sequences by shared prefix: preempted ones first, then those
-whose prefix the running batch holds most of, then those whose prefix most others in the
-queue share (a prefix's sequences in arrival order): a decode step reads each prefix in
-it once for all its rows, so a batch of few prefixes reads fewer bytes a step, and the
-rarely used ones drain from it. Which sequences share a step never changes a row's tokens.
+sharing the prefix of the one that has waited longest, then those whose prefix the running
+batch holds most of, then those whose prefix most others in the queue share (a prefix's
+sequences in arrival order). A decode step reads each prefix in it once for all its rows,
+so a batch of few prefixes reads fewer bytes a step; and since every round takes the
+longest-waiting sequence, a row of a rarely used prefix waits about as long as it would in
+arrival order. Any order gives each row the same function of its own tokens.
 """
 
 from __future__ import annotations
@@ -109,8 +111,14 @@ class Scheduler:
         queued = Counter(seq.prefix_slot for seq in self.waiting)
         if len(held.keys() | queued.keys()) > 1:
             first = {slot: rank for rank, slot in enumerate(queued)}  # arrival order of the prefixes
+            # sequence ids follow admission: the longest-waiting one not preempted (preempted
+            # ones have an output and come first anyway)
+            oldest = min((seq for seq in self.waiting if not seq.output_ids), key=lambda seq: seq.seq_id,
+                         default=None)
+            due = oldest.prefix_slot if oldest is not None else None
             self.waiting = deque(sorted(self.waiting, key=lambda seq: (
-                not seq.output_ids, -held[seq.prefix_slot], -queued[seq.prefix_slot], first[seq.prefix_slot])))
+                not seq.output_ids, oldest is None or seq.prefix_slot != due, -held[seq.prefix_slot],
+                -queued[seq.prefix_slot], first[seq.prefix_slot])))
 
     def _round_can_start(self) -> bool:
         """A round starts when nothing else would run, or when the next min_prefill_seqs
