@@ -90,6 +90,7 @@ class JobSummary:
     triton_compiled_names: dict = field(default_factory=dict)  # kernel name -> variants compiled
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0
+    graph_evictions: int = 0  # graphs dropped for newer keys past the engine's bound
     # --devices: per worker {device, pid, rows, errors, completion_tokens, state, cause, stats}
     workers: list[dict] = field(default_factory=list)
 
@@ -283,3 +284,4 @@ def _count_startup(summary: JobSummary, engine: Engine, compiles: CompileLog) ->
     graphs = engine.runner.graphs
     if graphs is not None:
         summary.graph_captures, summary.graph_capture_seconds = graphs.num_captures, graphs.capture_seconds
+        summary.graph_evictions = graphs.num_evicted

@@ -230,7 +230,8 @@ def print_summary(s: JobSummary) -> None:
     if s.triton_kernels_compiled or s.graph_captures:
         rows.insert(-1, ("start-up in the job", f"{s.triton_kernels_compiled} Triton kernels compiled in "
                          f"{s.triton_compile_seconds:.1f} s ({s.triton_kernels_loaded} from Triton's cache), "
-                         f"{s.graph_captures} CUDA graphs captured in {s.graph_capture_seconds:.1f} s"))
+                         f"{s.graph_captures} CUDA graphs captured in {s.graph_capture_seconds:.1f} s"
+                         + (f" ({s.graph_evictions} dropped for newer ones)" if s.graph_evictions else "")))
     for k, v in rows + _workers_rows(s):
         table.add_row(k, v)
     console.print(table)

@@ -11,8 +11,8 @@ import torch
 from relaycli.models.registry import load_model
 from relaycli.compile import prefix_from_ids
 from relaycli.config import EngineConfig
-from relaycli.engine.cuda_graph import (BATCH_BUCKETS, EAGER_TOO_MANY_PREFIXES, MAX_TABLE_GROUPS, MIXED, DecodeGraphs,
-                                        decode_rows, pack_block_tables)
+from relaycli.engine.cuda_graph import (BATCH_BUCKETS, EAGER_TOO_MANY_PREFIXES, MAX_GRAPHS, MAX_TABLE_GROUPS, MIXED,
+                                        DecodeGraphs, decode_rows, pack_block_tables)
 from relaycli.engine.engine import Engine, TokenRequest
 from relaycli.engine.sequence import SamplingOptions, Sequence
 
@@ -98,6 +98,22 @@ def test_steps_past_the_graphs_bounds_run_eagerly_and_say_why():
     seqs = [Sequence(i, [7], SamplingOptions(max_tokens=4), 2, i) for i in range(MAX_TABLE_GROUPS + 1)]
     assert graphs.key(seqs) is None and graphs.eager_reason == EAGER_TOO_MANY_PREFIXES
     assert graphs.key(seqs[:MAX_TABLE_GROUPS])[2] == MIXED
+
+
+def test_past_max_graphs_a_new_key_replaces_the_least_recently_replayed_graph():
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=0)
+    engine = Engine(lm, [], EngineConfig(max_num_seqs=8, kv_cache_gb=0.01))
+    graphs = DecodeGraphs(engine.runner, 8, scratch_block=engine.runner.num_blocks)
+    for i in range(MAX_GRAPHS):
+        graphs.graphs[(1, 256 * (i + 1), None, None)] = object()  # captured (on CUDA)
+    seq = Sequence(0, [7], SamplingOptions(max_tokens=4))
+    assert graphs.key([seq]) is not None  # graphed, never eager for want of room
+    first = next(iter(graphs.graphs))
+    graphs.graphs[first] = graphs.graphs.pop(first)  # replayed last (DecodeGraphs.run)
+    second = list(graphs.graphs)[0]
+    graphs.make_room()
+    assert len(graphs.graphs) == MAX_GRAPHS - 1 and graphs.num_evicted == 1
+    assert second not in graphs.graphs and first in graphs.graphs
 
 
 def test_decode_rows_are_each_rows_position_slot_and_context():

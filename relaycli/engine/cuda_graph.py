@@ -43,9 +43,11 @@ from relaycli.engine.staging import stage
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MIN_CONTEXT_BUCKET = 256
 CONTEXT_BUCKET_GROWTH = 4
-# Past this many keys a step runs eagerly rather than capture again. A job of batch limit
-# 256 and own contexts up to 4,096 keys has 42 bucket pairs, and relay's steps about 1.9
-# plans each on llama3-8b heads (all_keys: 68-78 keys under 2,048-16,384 prefix tokens).
+# The most graphs a job keeps: a new key past it takes the place of the least recently
+# replayed one. A job of batch limit 256 and own contexts up to 4,096 keys has 42 bucket
+# pairs, and relay's steps about 1.9 plans each on llama3-8b heads (all_keys: 68-78 keys
+# under 2,048-16,384 prefix tokens); a library of many module paths adds keys of each path
+# as the job goes on, and the paths in use change.
 MAX_GRAPHS = 128
 # The prefix slot of a key whose rows use several prefixes, and the most a step may use:
 # a bound on the PrefixTable's entries (device data, 16 bytes each), not on the work, since
@@ -57,7 +59,6 @@ MAX_TABLE_GROUPS = 64
 # Why a decode step ran eagerly (EngineStats counts them).
 EAGER_TOO_LARGE = "batch above the largest graph bucket"
 EAGER_TOO_MANY_PREFIXES = f"more than {MAX_TABLE_GROUPS} prefixes in one step"
-EAGER_GRAPH_LIMIT = f"the {MAX_GRAPHS}-graph limit was reached"
 
 
 class DecodeGraphs:
@@ -101,6 +102,7 @@ class DecodeGraphs:
         self.pool = None
         self.num_replays = 0
         self.num_captures = 0
+        self.num_evicted = 0  # graphs dropped for a new key past MAX_GRAPHS
         self.capture_seconds = 0.0  # captures of new keys (their first step's eager pass not included)
         self.eager_reason: str | None = None  # why the last key() gave None
 
@@ -125,9 +127,6 @@ class DecodeGraphs:
         own = [s.num_own_tokens for s in seqs]
         tokens = sum(own)
         key = self._bucket(len(seqs), max(own), slot, tokens)
-        if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
-            self.eager_reason = EAGER_GRAPH_LIMIT
-            return None
         self.key_tokens.setdefault(key, tokens)
         return key
 
@@ -179,7 +178,7 @@ class DecodeGraphs:
         """Capture every key of all_keys before a job runs (as servers do at start-up), so
         no step of the job waits for a capture or its kernel compiles. Call it with no
         sequence in flight: the buffers are pointed at the scratch block first, so the
-        captures' passes write only there. MAX_GRAPHS limits only the keys a job
+        captures' passes write only there. MAX_GRAPHS bounds only the keys a job
         captures as it meets them; this captures all. Returns how many were captured."""
         before = len(self.graphs)
         for key in self.all_keys(max_num_seqs, max_context, slots):
@@ -255,15 +254,27 @@ class DecodeGraphs:
         then the graph is captured, once, for every later step of the key."""
         bs, ctx, slot, _ = key
         self._fill(seqs, bs, ctx, input_ids, mixed=slot == MIXED)
-        graph = self.graphs.get(key)
+        graph = self.graphs.pop(key, None)
         if graph is None:
             meta = self._meta(key)
             self._forward(bs, meta)
+            self.make_room()
             self._capture(key, meta)
         else:
+            self.graphs[key] = graph  # the most recently replayed last
             graph.replay()
             self.num_replays += 1
         return self.logits[:len(seqs)]
+
+    def make_room(self) -> None:
+        """Below MAX_GRAPHS, drop the least recently replayed graphs (the dict's first).
+        Graphs share one memory pool for their passes' temporaries and write their logits
+        outside it, so a graph can go while the others stay."""
+        if len(self.graphs) >= MAX_GRAPHS and self.logits.is_cuda:
+            torch.cuda.synchronize(self.logits.device)  # no replay of a graph that goes is in flight
+        while len(self.graphs) >= MAX_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
+            self.num_evicted += 1
 
     def _capture(self, key: tuple, meta: AttentionMetadata) -> torch.cuda.CUDAGraph:
         """Capture the step for key on the buffers as they are (filled, or reset). Every kernel

@@ -219,6 +219,7 @@ class ModelRunner:
             old = self.graphs
             self.graphs = DecodeGraphs(self, old.max_bs, scratch_block=self.num_blocks)
             self.graphs.num_captures, self.graphs.capture_seconds = old.num_captures, old.capture_seconds
+            self.graphs.num_evicted = old.num_evicted
 
     def _on_device(self, prefixes: list[PrefixKV]) -> list[PrefixKV]:
         """The prefixes' KV in the run's device and dtype; ConfigError where it does not fit."""
