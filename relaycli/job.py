@@ -230,6 +230,8 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
     constrained = _first_constraints(source, opts.defaults, done)
     if constrained:  # xgrammar's import (most of its start) runs while the model loads
         threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
+    if loaded is None and uses_triton(opts):  # so does Triton's key, where the command has not begun it
+        threading.Thread(target=prepare_cache_key, daemon=True).start()
     threading.Thread(target=writer.warm_up, daemon=True).start()  # and pyarrow's first table
     if loaded is None:
         loaded = load_model(opts.model, opts.dtype, opts.device)

@@ -145,18 +145,19 @@ def test_a_caller_of_prepare_cache_key_waits_for_the_thread_making_it_instead_of
 
     cache = pytest.importorskip("triton.runtime.cache")
     from relaycli.kernels import compile_log
-    made = []
+    made, hashing = [], threading.Event()
 
     @functools.lru_cache()
     def slow_key():  # Triton's key: a second of hashing, cached once made
         made.append(threading.current_thread().name)
+        hashing.set()
         time.sleep(0.3)
         return "key"
 
     monkeypatch.setattr(cache, "triton_key", slow_key)
     early = threading.Thread(target=compile_log.prepare_cache_key, name="early")
     early.start()
-    time.sleep(0.05)
+    assert hashing.wait(10)
     compile_log.prepare_cache_key()  # the job, before its engine's first launch
     early.join()
     assert made == ["early"]
