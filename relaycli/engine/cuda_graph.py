@@ -267,11 +267,11 @@ class DecodeGraphs:
         return self.logits[:len(seqs)]
 
     def make_room(self) -> None:
-        """Below MAX_GRAPHS, drop the least recently replayed graphs (the dict's first).
-        Graphs share one memory pool for their passes' temporaries and write their logits
-        outside it, so a graph can go while the others stay."""
+        """Drop the least recently replayed graphs (the dict's first) until one more fits
+        under MAX_GRAPHS. Graphs share one memory pool for their passes' temporaries and
+        write their logits outside it, so a graph can go while the others stay."""
         if len(self.graphs) >= MAX_GRAPHS and self.logits.is_cuda:
-            torch.cuda.synchronize(self.logits.device)  # no replay of a graph that goes is in flight
+            torch.cuda.synchronize(self.logits.device)  # a graph that goes may still be replaying
         while len(self.graphs) >= MAX_GRAPHS:
             del self.graphs[next(iter(self.graphs))]
             self.num_evicted += 1
