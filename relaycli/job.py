@@ -230,13 +230,14 @@ def _bind_output(opts: JobOptions, source: RequestSource, writer: ResultWriter,
     constrained = _first_constraints(source, opts.defaults, done)
     if constrained:  # xgrammar's import (most of its start) runs while the model loads
         threading.Thread(target=_import_quietly, args=("xgrammar",), daemon=True).start()
-    if loaded is None and uses_triton(opts):  # so does Triton's key, where the command has not begun it
+    triton = uses_triton(opts)
+    if loaded is None and triton:  # so does Triton's key, where the command has not begun it
         threading.Thread(target=prepare_cache_key, daemon=True).start()
     threading.Thread(target=writer.warm_up, daemon=True).start()  # and pyarrow's first table
     if loaded is None:
         loaded = load_model(opts.model, opts.dtype, opts.device)
     artifacts = [load_checked(p, loaded, opts.allow_cast) for p in opts.prompt_paths]
-    if uses_triton(opts):  # Triton's one-time cache key, made (or being made) since the command began
+    if triton:  # Triton's one-time cache key, made (or being made) since the command began
         prepare_cache_key()
     engine = Engine(loaded, artifacts, opts.engine)
     if constrained and engine.grammars is not None:

@@ -192,9 +192,9 @@ class ModelRunner:
                 raise
             raise ConfigError(f"a shared prefix of {tokens} tokens ({self._gib(tokens):.1f} GiB) does not fit beside "
                              f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
-        moved = any(new.store is None or new.store[0] is not old.store[0] for new, old in zip(grown, layers)
-                    if old.store is not None)
-        self._set_prefix_layers(grown, keep_graphs=not moved and layers[0].store is not None)
+        # every layer's store has the same rows, so all grow or none does
+        in_place = layers[0].store is not None and grown[0].store[0] is layers[0].store[0]
+        self._set_prefix_layers(grown, keep_graphs=in_place)
         return len(self.prefixes) - 1
 
     def drop_prefixes(self, slots: set[int]) -> None:
