@@ -5,8 +5,16 @@ import random
 
 import torch
 
-from relaycli.engine.sampler import Sampler, draw_seed, draw_seeds, filter_logits, keep_threshold, seed_words
+from relaycli.engine.sampler import Sampler, draw_seed, draw_seeds, inverse_cdf, keep_threshold, seed_words
 from relaycli.engine.sequence import SamplingOptions
+
+
+def filter_logits(logits, temperature, top_k, top_p, num_candidates=None):
+    """Log-probabilities after temperature, top-k and top-p (dropped tokens -inf): the
+    sampler's filter, a token kept where its scaled logit reaches keep_threshold."""
+    scaled = logits / temperature[:, None]
+    threshold = keep_threshold(scaled, top_k, top_p, num_candidates)
+    return torch.log_softmax(scaled.masked_fill(scaled < threshold[:, None], float("-inf")), dim=-1)
 
 
 def _reference_probs(logits, temperature, top_k, top_p):
@@ -260,3 +268,19 @@ def test_masked_rows_with_a_finite_floor_draw_as_with_minus_infinity():
         a = sampler.sample(masked, opts, [draw] * rows)
         b = sampler.sample(floored, opts, [draw] * rows)
         assert a == b and all(allowed[i, t] for i, t in enumerate(a))
+
+
+def test_inverse_cdf_never_draws_a_token_of_no_mass_and_keeps_tiny_ones():
+    """u at the edges and masses 1e-30 apart: the draw is always a token of positive mass,
+    u = 0 gives the first of them and u just below 1 the last, and a token far below an fp32
+    running sum's rounding step still has its share (a one-level fp32 sum would drop it)."""
+    vocab = 1000  # not a multiple of the block: the padding has no mass
+    probs = torch.zeros(4, vocab)
+    probs[:, [3, 400, 999]] = torch.tensor([1.0, 1e-30, 2.0])
+    u = torch.tensor([0.0, 1.0 - 2.0**-53, 1.0 / 3.0 + 1e-12, 1.0 / 3.0 - 1e-12], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [3, 999, 999, 3]
+    # the tiny token owns the uniforms just past the first token's third of the mass
+    big = torch.zeros(1, 70000)
+    big[0, 0], big[0, 69999], big[0, 40000] = 1.0, 1.0, 1e-9
+    tiny_u = torch.tensor([(1.0 + 0.5e-9) / (2.0 + 1e-9)], dtype=torch.float64)  # mid-way through it
+    assert inverse_cdf(big, tiny_u).tolist() == [40000]

@@ -1,12 +1,14 @@
 """Next-token choice for a whole batch, on the device (the engine reads it back a step later).
 
 Greedy rows take the argmax. Sampling rows are filtered (temperature, top-k, top-p) to
-the tokens at or above a per-row threshold and drawn by the Gumbel-max trick:
-argmax(log p + g) with g = -log(-log u) is an exact draw from p. A row's u comes from a
-random stream keyed by its request's seed and the index of the token being drawn
-(`draw_seed`), so its output depends only on its seed and its logits, never on which
-other rows share the batch, nor on preemption. On CUDA a Triton kernel pair does it all
-(kernels/triton_sampler.py); the PyTorch path here is the reference and the CPU's.
+the tokens at or above a per-row threshold and drawn from what is left. A row's randomness
+comes from a stream keyed by its request's seed and the index of the token being drawn
+(`draw_seed`), so its output depends only on its seed and its logits, never on which other
+rows share the batch, nor on preemption. On CUDA a Triton kernel pair does it all with the
+Gumbel-max trick (kernels/triton_sampler.py): argmax(log p + g) with g = -log(-log u) is an
+exact draw from p. The PyTorch path here, the reference and the CPU's, inverts the
+filtered distribution's CDF at one uniform a row: one exp a token instead of a uniform and
+two logs a token, which on a CPU is most of a sampled step.
 """
 
 from __future__ import annotations
@@ -16,23 +18,6 @@ import torch
 
 from relaycli.engine.sequence import SamplingOptions
 from relaycli.engine.staging import stage, to_device
-
-
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, num_candidates: int | None = None) -> torch.Tensor:
-    """Log-probabilities after temperature, top-k and top-p; dropped tokens get -inf.
-
-    logits [R, V] fp32; temperature [R] (> 0), top_k [R] int64 (V = off), top_p [R] in (0, 1].
-    A token is kept when its scaled logit is at least the row's `keep_threshold` (so
-    tokens equal to the last kept one are kept too).
-    num_candidates: look for the threshold among each row's num_candidates largest tokens
-    (at least every finite top_k) instead of sorting the whole vocabulary; a row whose
-    candidates cannot settle it sends the batch down the full sort. Same result either
-    way; it needs a host check, so only CPU callers pass it.
-    """
-    scaled = logits / temperature[:, None]
-    threshold = keep_threshold(scaled, top_k, top_p, num_candidates)
-    return torch.log_softmax(scaled.masked_fill(scaled < threshold[:, None], float("-inf")), dim=-1)
 
 
 def keep_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -130,11 +115,41 @@ def draw_seeds(words: np.ndarray, draws: list[int]) -> np.ndarray:
         return ((z ^ (z >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
+def draw_uniforms(words: np.ndarray, draws: list[int]) -> np.ndarray:
+    """One uniform in [0, 1) float64 a (seed, draw) pair: the top 53 bits of draw_seeds."""
+    return (draw_seeds(words, draws) >> 10).astype(np.float64) * 2.0**-53
+
+
+CDF_BLOCK = 256  # tokens a block of inverse_cdf's first level
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """An exact draw from each row of probs [R, V] (fp32, >= 0, not all 0; unnormalised):
+    the first token whose running mass exceeds u x the row's mass, u [R] float64 in [0, 1).
+
+    Two levels, so rounding loses no token's mass: the running sum of the rows' block sums,
+    then that of the chosen block's tokens, both in fp64 over few terms (one fp32 running
+    sum over a whole vocabulary would drop tokens smaller than its rounding step). A token
+    of mass 0 adds nothing to either sum, so it is never the one; each target is kept
+    below its level's total, so there always is one."""
+    rows, vocab = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -vocab % CDF_BLOCK)).view(rows, -1, CDF_BLOCK)
+    block_cdf = torch.cumsum(blocks.sum(dim=-1).double(), dim=-1)
+    total = block_cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    b = torch.searchsorted(block_cdf, target[:, None], right=True)
+    before = torch.nn.functional.pad(block_cdf, (1, 0))[:, :-1].gather(1, b)[:, 0]
+    inner = torch.cumsum(blocks[torch.arange(rows, device=probs.device), b[:, 0]].double(), dim=-1)
+    inner_total = inner[:, -1]
+    rest = torch.minimum(target - before, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    return b[:, 0] * CDF_BLOCK + torch.searchsorted(inner, rest[:, None], right=True)[:, 0]
+
+
 class Sampler:
     """Token choice for a batch. kernel "triton": two Triton launches for the whole batch
     (kernels/triton_sampler.py, CUDA); "torch": PyTorch ops on any device, where each
-    sampled row draws its u from a torch.Generator seeded with draw_seed. Both draw from
-    the same filtered distribution; their random streams differ."""
+    sampled row inverts its CDF at the uniform of draw_uniforms. Both draw from the same
+    filtered distribution; their random streams differ."""
 
     KERNELS = ("torch", "triton")
 
@@ -190,8 +205,9 @@ class Sampler:
 
     def _sample_torch(self, logits: torch.Tensor, options: list[SamplingOptions], draws: list[int]) -> torch.Tensor:
         logits = logits.float()  # temperature and filters in fp32, as the Triton path computes them
-        choice = logits.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if not opt.is_greedy]
+        # (an argmax of a [B, V] batch costs about what the draw does on a CPU: greedy rows only)
+        choice = logits.argmax(dim=-1) if len(rows) < len(options) else logits.new_empty(len(options), dtype=torch.int64)
         vocab = logits.shape[-1]
         dev = logits.device
         picked = [options[i] for i in rows]
@@ -199,25 +215,21 @@ class Sampler:
         index = to_device(rows, torch.int64, dev)  # a list index would copy and wait
         # Rows with a top-k or top-p are filtered together; temperature-only rows need no sort.
         cut = [j for j, o in enumerate(picked) if (o.top_k or vocab) < vocab or o.top_p < 1.0]
-        every = len(cut) == len(picked)  # then there is no plain softmax to compute at all
-        log_p = None if every else torch.log_softmax(logits[index] / temperature[:, None], dim=-1)
+        # Unnormalised probabilities (inverse_cdf normalises them); filtered tokens get 0.
+        scaled = logits[index] / temperature[:, None]
+        probs = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
         if cut:
             ks = [min(picked[j].top_k or vocab, vocab) for j in cut]
             # On the CPU a partial sort of the largest tokens is much cheaper than sorting
             # the vocabulary; its coverage check reads a value back, which on a GPU would
             # stall the overlapped step, so the GPU sorts in full.
             candidates = max([CPU_CANDIDATES] + [k for k in ks if k < vocab])
-            at = None if every else to_device(cut, torch.int64, dev)
-            filtered = filter_logits(
-                logits[index if every else index[at]], temperature if every else temperature[at],
-                to_device(ks, torch.int64, dev), to_device([picked[j].top_p for j in cut], logits.dtype, dev),
-                num_candidates=candidates if dev.type == "cpu" and 2 * candidates <= vocab else None)
-            if every:
-                log_p = filtered
-            else:
-                log_p[at] = filtered
-        u = torch.stack([torch.rand(vocab, device=dev, generator=torch.Generator(device=dev).manual_seed(
-            draw_seed(options[i].seed, draws[i]))) for i in rows])
-        gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-        choice[index] = (log_p + gumbel).argmax(dim=-1)
+            at = to_device(cut, torch.int64, dev)
+            part = scaled[at]
+            threshold = keep_threshold(part, to_device(ks, torch.int64, dev),
+                                       to_device([picked[j].top_p for j in cut], logits.dtype, dev),
+                                       candidates if dev.type == "cpu" and 2 * candidates <= vocab else None)
+            probs[at] = probs[at].masked_fill_(part < threshold[:, None], 0.0)
+        u = torch.from_numpy(draw_uniforms(seed_words([o.seed for o in picked]), [draws[i] for i in rows]))
+        choice[index] = inverse_cdf(probs, u.to(dev))
         return choice
