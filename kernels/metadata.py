@@ -8,6 +8,7 @@ loaded system prefixes, kept once in memory and never copied into the paged cach
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +42,11 @@ class PrefixTable:
 
 
 class LayerPrefixes(list):
-    """One layer's loaded prefixes: [(k, v)] by slot, each [S_slot, Hkv, D], plus, where the
-    engine keeps them in one store (CUDA), the store's k and v [S_store, Hkv, D], of which
-    the slots are consecutive views from row 0 and `used` rows are taken. Steps with a
-    PrefixTable read the store, each group only its slot's rows."""
+    """One layer's loaded prefixes: [(k, v)] by slot, each [S_slot, Hkv, D] (an emptied slot
+    has no rows), plus, where the engine keeps them in one store (CUDA), the store's k and v
+    [S_store, Hkv, D]: the slots are views of its first `used` rows, packed in no particular
+    slot order (a reused slot takes the free rows at the end). Steps with a PrefixTable read
+    the store, each group only its slot's rows (ranges())."""
 
     def __init__(self, pairs, store: tuple[torch.Tensor, torch.Tensor] | None = None, used: int = 0) -> None:
         super().__init__(pairs)
@@ -64,54 +66,78 @@ class LayerPrefixes(list):
         v_store = torch.zeros((rows, *v0.shape[1:]), dtype=v0.dtype, device=v0.device)
         layer = cls([], (k_store, v_store), 0)
         for pair in pairs:
-            layer._write([pair])
+            layer.append(layer._write([pair]))
         return layer
 
-    def appended(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> "LayerPrefixes":
+    def ranges(self) -> list[tuple[int, int]]:
+        """(first row in the store, rows) of each slot. Without a store: the rows the slots
+        would take in one, in slot order (what the PyTorch reference reads a table with)."""
+        if self.store is not None:
+            return [(self._start(k), k.shape[0]) for k, _ in self]
+        starts = itertools.accumulate((k.shape[0] for k, _ in self), initial=0)
+        return [(start, k.shape[0]) for start, (k, _) in zip(starts, self)]
+
+    def appended(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], slot: int | None = None,
+                 capacity: int = 0) -> "LayerPrefixes":
         """These prefixes and one more, made of consecutive pieces (k, v) that may sit on
-        another device or in another dtype (a module path's parts, read from its artifact):
-        copied straight into the store's free rows where they suffice (the store, and so any
-        graph that names it, stays), else into a larger store."""
+        another device or in another dtype (a module path's parts, read from its artifact),
+        in slot `slot` (an emptied one) or a new last slot: copied straight into the store's
+        free rows where they suffice (the store, and so any graph that names it, stays),
+        else into a new store of at least `capacity` rows."""
         rows = sum(k.shape[0] for k, _ in pieces)
         if self.store is None or self.used + rows > self.store[0].shape[0]:
             like = self.store[0] if self.store is not None else self[0][0]
-            return LayerPrefixes.stored(list(self) + [joined(pieces, like.device, like.dtype)])
+            return LayerPrefixes.stored(_placed(list(self), joined(pieces, like.device, like.dtype), slot), capacity)
         layer = LayerPrefixes(list(self), self.store, self.used)
-        layer._write(pieces)
-        return layer
+        return LayerPrefixes(_placed(list(self), layer._write(pieces), slot), self.store, layer.used)
 
     def without(self, slots: set[int]) -> "LayerPrefixes":
         """These prefixes with the given slots emptied (no rows; the slot numbers of the
-        others stay). In a store the slots left are moved down, in slot order, so the freed
-        rows join the free ones at the end: the same store, new views. A caller must make
-        sure no launched step still reads the store."""
+        others stay). In a store the slots left are moved down, in the order of their rows,
+        so the freed rows join the free ones at the end: the same store, new views. A caller
+        must make sure no launched step still reads the store."""
         if self.store is None:
             return LayerPrefixes([(k.new_empty((0, *k.shape[1:])), v.new_empty((0, *v.shape[1:])))
                                   if s in slots else (k, v) for s, (k, v) in enumerate(self)])
-        (k_store, v_store), at, pairs = self.store, 0, []
-        for s, (k, v) in enumerate(self):
-            rows = 0 if s in slots else k.shape[0]
-            if rows:
-                start = k.data_ptr() - k_store.data_ptr()
-                start //= k_store.stride(0) * k_store.element_size()
-                if start != at:  # down, never up; a clone where the ranges overlap
-                    src_k, src_v = k_store[start:start + rows], v_store[start:start + rows]
-                    if start < at + rows:
-                        src_k, src_v = src_k.clone(), src_v.clone()
-                    k_store[at:at + rows].copy_(src_k)
-                    v_store[at:at + rows].copy_(src_v)
-            pairs.append((k_store[at:at + rows], v_store[at:at + rows]))
+        (k_store, v_store), at = self.store, 0
+        pairs = [(k_store[:0], v_store[:0])] * len(self)
+        for s in sorted((s for s in range(len(self)) if s not in slots and self[s][0].shape[0]),
+                        key=lambda s: self._start(self[s][0])):
+            start, rows = self._start(self[s][0]), self[s][0].shape[0]
+            if start != at:  # down, never up; a clone where the ranges overlap
+                src_k, src_v = k_store[start:start + rows], v_store[start:start + rows]
+                if start < at + rows:
+                    src_k, src_v = src_k.clone(), src_v.clone()
+                k_store[at:at + rows].copy_(src_k)
+                v_store[at:at + rows].copy_(src_v)
+            pairs[s] = (k_store[at:at + rows], v_store[at:at + rows])
             at += rows
         return LayerPrefixes(pairs, self.store, at)
 
-    def _write(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy the pieces into the store's next free rows, as one more slot."""
+    def _start(self, k: torch.Tensor) -> int:
+        """The store row a slot's view begins at (0 for an emptied slot: a view of no
+        elements may have no address)."""
+        if k.numel() == 0:
+            return 0
+        k_store = self.store[0]
+        return (k.data_ptr() - k_store.data_ptr()) // (k_store.stride(0) * k_store.element_size())
+
+    def _write(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the pieces into the store's next free rows; the (k, v) views of them."""
         (k_store, v_store), start = self.store, self.used
         for k, v in pieces:
             k_store[self.used:self.used + k.shape[0]].copy_(k)
             v_store[self.used:self.used + k.shape[0]].copy_(v)
             self.used += k.shape[0]
-        self.append((k_store[start:self.used], v_store[start:self.used]))
+        return k_store[start:self.used], v_store[start:self.used]
+
+
+def _placed(pairs: list, pair, slot: int | None) -> list:
+    """pairs with `pair` in slot `slot` (an emptied one) or appended."""
+    if slot is None:
+        return pairs + [pair]
+    assert slot < len(pairs) and pairs[slot][0].shape[0] == 0, "only an emptied slot takes a new prefix"
+    return pairs[:slot] + [pair] + pairs[slot + 1:]
 
 
 def joined(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
@@ -121,18 +147,15 @@ def joined(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
             torch.cat([v.to(device, dtype) for _, v in pieces]))
 
 
-def prefix_table_rows(row_slots: list[int | None], prefix_lens: list[int],
+def prefix_table_rows(row_slots: list[int | None], ranges: list[tuple[int, int]],
                       num_groups: int) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     """The host side of a PrefixTable: (row_group, groups rows) for rows ordered by group.
 
     row_slots: each row's prefix slot (None: no prefix), rows of one slot together and rows
-    without one last; prefix_lens: every loaded slot's length, the store holding them in slot
-    order. A group is a run of rows of one slot, numbered in row order; num_groups entries
+    without one last; ranges: every loaded slot's (first row in the store, rows)
+    (LayerPrefixes.ranges). A group is a run of rows of one slot, numbered in row order; num_groups entries
     plus the closing zero entry. Raises ValueError when the rows are not so ordered or need
     more than num_groups groups."""
-    starts = [0]
-    for length in prefix_lens:
-        starts.append(starts[-1] + length)
     row_group: list[int] = []
     groups: list[tuple[int, int, int, int]] = []
     slots: list[int] = []  # each group's slot
@@ -146,7 +169,7 @@ def prefix_table_rows(row_slots: list[int | None], prefix_lens: list[int],
             if slot in slots:
                 raise ValueError(f"the rows of prefix slot {slot} are not together")
             slots.append(slot)
-            groups.append((row, row, starts[slot], prefix_lens[slot]))
+            groups.append((row, row, *ranges[slot]))
         lo, _, key0, keys = groups[-1]
         groups[-1] = (lo, row + 1, key0, keys)
         row_group.append(len(groups) - 1)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from relaycli.kernels.metadata import AttentionMetadata, PrefixGroup
+from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes, PrefixGroup
 
 NEG_INF = float("-inf")
 # attend(q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v, scale, mask [B, Tq, Tk] | None) -> (o, lse):
@@ -114,14 +114,12 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def listed_groups(meta: AttentionMetadata, prefixes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[PrefixGroup]:
     """The step's prefix groups as lists: meta.prefix_groups, or its PrefixTable read back
-    (the store holds the slots in order, so a group's first key names its slot)."""
+    (a group's first key in the store names its slot)."""
     table = meta.prefix_table
     if table is None:
         return meta.prefix_groups
-    starts, total = {}, 0
-    for slot, (k, _) in enumerate(prefixes):
-        starts[total] = slot
-        total += k.shape[0]
+    layer = prefixes if isinstance(prefixes, LayerPrefixes) else LayerPrefixes(prefixes)
+    starts = {start: slot for slot, (start, rows) in enumerate(layer.ranges()) if rows}
     device = meta.context_lens.device
     out = []
     for row_lo, row_hi, key0, keys in table.groups.tolist()[:table.num_groups]:

@@ -75,5 +75,6 @@ def test_module_paths_dropped_for_room_on_cuda_give_the_cpu_engines_tokens(defau
                           prefix_cache_gb=(longest + 0.5) * per_token / 1024**3)
     assert engine.stats.module_paths_dropped > 0 and engine.stats.graphed_decode_steps > 0
     assert got == want
+    assert len(engine.runner.prefixes) < 1 + engine.stats.module_paths_built  # emptied slots taken again
     layer = engine.runner.attention.prefix_layers[0]
     assert layer.store[0].shape[0] == engine.runner.max_prefix_tokens  # the bound, never grown

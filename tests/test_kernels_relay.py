@@ -116,7 +116,7 @@ def table_problem(rng: random.Random, dtype: torch.dtype, num_groups: int, num_p
     meta.context_lens[n:] = 0  # padding rows: no own keys, no prefix, outputs dropped
     layer = LayerPrefixes.stored(prefixes)
     slots = [s if s < len(prefix_lens) else None for s in prefix_of] + [None] * pad
-    row_group, rows = prefix_table_rows(slots, prefix_lens, num_groups)
+    row_group, rows = prefix_table_rows(slots, layer.ranges(), num_groups)
     table = PrefixTable(torch.tensor(row_group, dtype=torch.int32, device=DEVICE),
                         torch.tensor(rows, dtype=torch.int32, device=DEVICE), num_groups, max(prefix_lens))
     tabled = dataclasses.replace(meta, prefix_groups=[], prefix_table=table, _cache={})
@@ -163,15 +163,16 @@ def test_a_prefix_table_step_with_as_many_small_groups_as_a_graph_holds(seed):
 
 
 def test_prefix_table_rows_number_runs_and_refuse_unordered_rows():
-    row_group, rows = prefix_table_rows([2, 2, 0, None, None], [5, 7, 3], 3)
+    # slot 1 sits past slot 2 in the store (a reused slot takes the free rows at the end)
+    row_group, rows = prefix_table_rows([2, 2, 0, None, None], [(0, 5), (8, 7), (5, 3)], 3)
     assert row_group == [0, 0, 1, 3, 3]
-    assert rows == [(0, 2, 12, 3), (2, 3, 0, 5), (0, 0, 0, 0), (0, 0, 0, 0)]
+    assert rows == [(0, 2, 5, 3), (2, 3, 0, 5), (0, 0, 0, 0), (0, 0, 0, 0)]
     with pytest.raises(ValueError, match="last"):
-        prefix_table_rows([None, 0], [5], 2)
+        prefix_table_rows([None, 0], [(0, 5)], 2)
     with pytest.raises(ValueError, match="not together"):
-        prefix_table_rows([0, 1, 0], [5, 5], 4)
+        prefix_table_rows([0, 1, 0], [(0, 5), (5, 5)], 4)
     with pytest.raises(ValueError, match="holds 1"):
-        prefix_table_rows([0, 1], [5, 5], 1)
+        prefix_table_rows([0, 1], [(0, 5), (5, 5)], 1)
 
 
 def test_relay_without_prefix_groups_is_context_attention():

@@ -355,6 +355,26 @@ def test_the_prefix_store_frees_dropped_slots_by_moving_the_others_down():
     assert [k.shape[0] for k, _ in listed] == [0, 2] and listed.store is None
 
 
+def test_an_emptied_slot_takes_the_next_prefix_in_the_stores_free_rows():
+    def pair(n, fill):
+        return torch.full((n, 2, 4), float(fill)), torch.full((n, 2, 4), -float(fill))
+    layer = LayerPrefixes.stored([pair(2, 1), pair(3, 2), pair(1, 3)], capacity=12).without({0})
+    store = layer.store[0]
+    assert layer.ranges() == [(0, 0), (0, 3), (3, 1)]
+    layer = layer.appended([pair(4, 4)], slot=0)  # slot 0 again, its rows at the end of those in use
+    assert layer.store[0] is store and layer.ranges() == [(4, 4), (0, 3), (3, 1)] and torch.all(layer[0][0] == 4)
+    # a drop moves the others down in the order of their rows, whatever their slots
+    layer = layer.without({1})
+    assert layer.ranges() == [(1, 4), (0, 0), (0, 1)] and layer.used == 5
+    assert torch.all(layer[0][0] == 4) and torch.all(layer[2][0] == 3) and torch.all(layer[0][1] == -4)
+    # past the room, a new store of the capacity asked for, the slots in slot order
+    grown = layer.appended([pair(9, 5)], slot=1, capacity=40)
+    assert grown.store[0].shape[0] == 40 and grown.ranges() == [(0, 4), (4, 9), (13, 1)]
+    assert [float(k[0, 0, 0]) for k, _ in grown] == [4.0, 5.0, 3.0]
+    with pytest.raises(AssertionError, match="emptied slot"):
+        grown.appended([pair(1, 6)], slot=2)
+
+
 PATH_ROWS = [{"prompt": "How long do refunds take?", "modules": ["contract", "policy"]},
              {"prompt": "Can I phone you?", "modules": ["policy", "pro"]},
              {"prompt": "When is a broken printer replaced?", "modules": ["policy", "contract", "clause"]},
@@ -394,6 +414,8 @@ def test_module_paths_past_prefix_cache_gb_are_dropped_built_again_and_answer_al
     assert st.module_paths_dropped > 0 and st.module_paths_built > free.stats.module_paths_built
     assert st.module_paths_built - st.module_paths_dropped == len(tight.modules.slots) == 1
     assert tight.runner.prefix_tokens <= tight.runner.max_prefix_tokens
+    # the slots a drop empties are taken again: the library's own and one path's, not one a build
+    assert len(tight.runner.prefixes) == 2 < 1 + st.module_paths_built
     assert not tight._waiting_room
 
 

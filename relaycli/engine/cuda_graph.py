@@ -83,7 +83,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         # the PrefixTable of MIXED steps (relaycli.kernels.metadata): each row's group, each group's range
-        self.prefix_lens = [p.num_tokens for p in self.prefixes]
+        self.prefix_ranges = self._ranges()  # each slot's (first row, rows) in the prefix store
         # a runner that adds prefixes as the job runs (module paths) gets the full table
         # up front, so its graphs outlive the additions (prefix_added)
         self.table_groups = MAX_TABLE_GROUPS if runner.adds_prefixes else max(1, min(len(self.prefixes),
@@ -106,12 +106,21 @@ class DecodeGraphs:
         self.capture_seconds = 0.0  # captures of new keys (their first step's eager pass not included)
         self.eager_reason: str | None = None  # why the last key() gave None
 
-    def prefix_added(self) -> None:
-        """One more prefix was written into free rows of the store: the captured graphs stay
-        valid (the other prefixes and the store did not move; a PrefixTable step reads each
-        group's key range and length from its buffers, and a longer prefix only changes the
-        split plan of later keys)."""
-        self.prefix_lens = [p.num_tokens for p in self.prefixes]
+    def prefix_added(self, slot: int) -> None:
+        """A prefix was written into free rows of the store, in `slot`: the captured graphs
+        stay valid (the other prefixes and the store did not move; a PrefixTable step reads
+        each group's key range from its buffers, and a longer prefix only changes the split
+        plan of later keys), except any of that slot alone, which named its old rows."""
+        self.prefix_ranges = self._ranges()
+        stale = [key for key in self.graphs if key[2] == slot]
+        if stale and self.logits.is_cuda:
+            torch.cuda.synchronize(self.logits.device)  # a graph that goes may still be replaying
+        for key in stale:
+            del self.graphs[key]
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        layers = self.attention.prefix_layers
+        return layers[0].ranges() if layers else []
 
     def key(self, seqs: list[Sequence]) -> tuple | None:
         """The graph that can run this step, or None (eager_reason says why):
@@ -219,7 +228,7 @@ class DecodeGraphs:
             self._reset_rows(n, bs, width)
         if mixed:
             slots = [s.prefix_slot for s in seqs] + [None] * (bs - n)
-            row_group, groups = prefix_table_rows(slots, self.prefix_lens, self.table_groups)
+            row_group, groups = prefix_table_rows(slots, self.prefix_ranges, self.table_groups)
             self.row_group[:bs].copy_(stage(torch.tensor(row_group, dtype=torch.int32), dev))
             self.groups.copy_(stage(torch.tensor(groups, dtype=torch.int32), dev))
 
@@ -229,7 +238,8 @@ class DecodeGraphs:
         bs, ctx, slot, plan = key
         groups, table = [], None
         if slot == MIXED:
-            table = PrefixTable(self.row_group[:bs], self.groups, self.table_groups, max(self.prefix_lens))
+            table = PrefixTable(self.row_group[:bs], self.groups, self.table_groups,
+                                max(rows for _, rows in self.prefix_ranges))
         elif slot is not None:
             prefix = self.prefixes[slot]
             groups = [PrefixGroup(slot, prefix.num_tokens, self.rows[:bs], self.rows[:bs])]

@@ -99,6 +99,8 @@ class ModelRunner:
         # use fill it.
         self.max_prefix_tokens, self.prefix_cache_gb = None, config.prefix_cache_gb
         self.num_fixed_prefix_tokens = now_tokens  # the artifacts' prefixes, never dropped
+        self.num_fixed_prefixes = len(prefixes)
+        self._empty_slots: set[int] = set()  # slots a drop emptied, taken again by add_prefix
         if config.prefix_cache_gb is not None:
             if self.device.type == "cuda" and config.prefix_cache_gb * 1024**3 > self._free_bytes():
                 raise ConfigError(f"--prefix-cache-gb {config.prefix_cache_gb:g} is more than the "
@@ -165,11 +167,13 @@ class ModelRunner:
 
     def add_prefix(self, pieces: list[PrefixKV]) -> int:
         """Load one more shared prefix while the engine runs (a prompt-module path), given
-        as consecutive pieces (views of an artifact's rows, on the host); its slot.
+        as consecutive pieces (views of an artifact's rows, on the host); its slot: the
+        lowest one a drop emptied, else a new one, so the slots stay as few as the prefixes.
 
         Where the prefixes live in one store (Triton), the pieces are copied straight into
         the store's free rows (captured decode graphs stay valid), or a larger store is made
-        (not past --prefix-cache-gb; the graphs, which point into the old one, are dropped).
+        (with room for the next paths, see below; the graphs, which point into the old one,
+        are dropped).
         ConfigError where the device's memory, or --prefix-cache-gb, cannot hold it."""
         layers = self.attention.prefix_layers
         tokens = sum(p.num_tokens for p in pieces)
@@ -177,43 +181,70 @@ class ModelRunner:
         if self.max_prefix_tokens is not None and tokens > self.prefix_room():
             raise ConfigError(f"its module path ({tokens} tokens) does not fit in --prefix-cache-gb "
                               f"{self.prefix_cache_gb:g} beside the paths loaded; drop unused ones first")
+        slot = min(self._empty_slots) if self._empty_slots else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old store
+        # A store that must grow takes twice the rows in use, within --prefix-cache-gb and
+        # a third of the free memory (the rest stays for the steps' activations).
+        needed = self.prefix_tokens + tokens
+        headroom = 2 * needed if self.max_prefix_tokens is None else min(2 * needed, self.max_prefix_tokens)
+        store = layers[0].store
+        if self.device.type == "cuda" and store is not None and layers[0].used + tokens > store[0].shape[0]:
+            per_token = self.bytes_per_block() // self.block_size
+            headroom = min(headroom, needed + int(self._free_bytes() / 3 // per_token))
         try:
-            grown = []
-            for i, layer in enumerate(layers):
-                parts = [(p.keys[i], p.values[i]) for p in pieces]
-                if self.attention_impl == "triton":
-                    grown.append(layer.appended(parts))
-                else:
-                    grown.append(LayerPrefixes([*layer, joined(parts, self.device, self.dtype)]))
+            grown = self._grown(layers, pieces, slot, headroom)
         except (RuntimeError, MemoryError) as exc:
             if not _out_of_memory(exc):
                 raise
-            raise ConfigError(f"a shared prefix of {tokens} tokens ({self._gib(tokens):.1f} GiB) does not fit beside "
-                             f"the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
+            try:  # no room for the headroom: a store of just the rows needed
+                grown = self._grown(layers, pieces, slot, 0)
+            except (RuntimeError, MemoryError) as exc:
+                if not _out_of_memory(exc):
+                    raise
+                raise ConfigError(f"a shared prefix of {tokens} tokens ({self._gib(tokens):.1f} GiB) does not fit "
+                                  f"beside the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
         # every layer's store has the same rows, so all grow or none does
         in_place = layers[0].store is not None and grown[0].store[0] is layers[0].store[0]
-        self._set_prefix_layers(grown, keep_graphs=in_place)
-        return len(self.prefixes) - 1
+        if slot is not None:
+            self._empty_slots.discard(slot)
+        self._set_prefix_layers(grown, keep_graphs=in_place, added=len(layers[0]) if slot is None else slot)
+        return len(self.prefixes) - 1 if slot is None else slot
+
+    def _grown(self, layers: list[LayerPrefixes], pieces: list[PrefixKV], slot: int | None,
+               capacity: int) -> list[LayerPrefixes]:
+        """Each layer's prefixes with the pieces' rows in `slot` (None: a new last one)."""
+        grown = []
+        for i, layer in enumerate(layers):
+            parts = [(p.keys[i], p.values[i]) for p in pieces]
+            if self.attention_impl == "triton":
+                grown.append(layer.appended(parts, slot, capacity))
+            else:
+                pair = joined(parts, self.device, self.dtype)
+                grown.append(LayerPrefixes([*layer, pair] if slot is None else
+                                           [pair if s == slot else kv for s, kv in enumerate(layer)]))
+        return grown
 
     def drop_prefixes(self, slots: set[int]) -> None:
-        """Free the rows of these prefixes (module paths no sequence uses); their slot
-        numbers stay, empty, and the others keep theirs. The store keeps its size: the
-        prefixes left move down in it."""
+        """Free the rows of these prefixes (module paths no sequence uses); their slots stay,
+        empty, for the next prefixes added, and the others keep theirs. The store keeps its
+        size: the prefixes left move down in it."""
+        assert not slots & set(range(self.num_fixed_prefixes)), "the artifacts' prefixes stay"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the rows that move
         self._set_prefix_layers([layer.without(slots) for layer in self.attention.prefix_layers])
+        self._empty_slots |= slots
 
-    def _set_prefix_layers(self, layers: list[LayerPrefixes], keep_graphs: bool = False) -> None:
+    def _set_prefix_layers(self, layers: list[LayerPrefixes], keep_graphs: bool = False,
+                           added: int | None = None) -> None:
         """Make these the loaded prefixes. Decode graphs, whose pointers know the old ones,
-        are dropped to be captured again, unless keep_graphs (a prefix written into the
-        store's free rows, nothing moved)."""
+        are dropped to be captured again, unless keep_graphs (a prefix, in slot `added`,
+        written into the store's free rows, nothing moved)."""
         self.attention.prefix_layers[:] = layers
         self.prefixes[:] = [PrefixKV([layer[s][0] for layer in layers], [layer[s][1] for layer in layers])
                             for s in range(len(layers[0]))]
         if self.graphs is not None and keep_graphs:
-            self.graphs.prefix_added()
+            self.graphs.prefix_added(added)
         elif self.graphs is not None:
             from relaycli.engine.cuda_graph import DecodeGraphs
             old = self.graphs
