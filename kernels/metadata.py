@@ -152,9 +152,9 @@ def prefix_table_rows(row_slots: list[int | None], ranges: list[tuple[int, int]]
     """The host side of a PrefixTable: (row_group, groups rows) for rows ordered by group.
 
     row_slots: each row's prefix slot (None: no prefix), rows of one slot together and rows
-    without one last; ranges: every loaded slot's (first row in the store, rows)
-    (LayerPrefixes.ranges). A group is a run of rows of one slot, numbered in row order; num_groups entries
-    plus the closing zero entry. Raises ValueError when the rows are not so ordered or need
+    without one last; ranges: every loaded slot's (first row in the store, rows), as
+    LayerPrefixes.ranges gives them. A group is a run of rows of one slot, numbered in row
+    order; num_groups entries plus the closing zero entry. Raises ValueError when the rows are not so ordered or need
     more than num_groups groups."""
     row_group: list[int] = []
     groups: list[tuple[int, int, int, int]] = []
