@@ -5,7 +5,9 @@ independent ones to a plain PyTorch forward at the schema's positions), and bad 
 from __future__ import annotations
 
 import json
+import math
 import struct
+import weakref
 
 import pytest
 import torch
@@ -500,3 +502,31 @@ def test_without_prefix_cache_gb_a_full_store_grows_instead_of_making_rows_wait(
                                {"prompt": "Mayor?", "modules": ["ostby"], "max_tokens": 2}])
     assert order[0] == 2 and not engine._waiting_room and engine.stats.module_paths_dropped == 0
     assert runner.attention.prefix_layers[0].store[0].shape[0] > room  # grown
+
+
+def test_a_store_without_memory_for_its_headroom_grows_to_the_rows_needed(default_model, monkeypatch):
+    """The store must grow and twice the rows do not fit, the rows needed do: the path is
+    added in a store of just those rows (the first try's partial stores freed first)."""
+    runner = Engine(default_model, [], EngineConfig(max_num_seqs=2, kv_cache_gb=0.05)).runner
+    mc, item = runner.mc, runner.dtype.itemsize
+
+    def kv(n):
+        return [torch.randn(n, mc.num_key_value_heads, mc.head_dim) for _ in range(mc.num_hidden_layers)]
+    runner.attention_impl = "triton"  # the CPU keeps a prefix list: give it the store a CUDA runner keeps
+    runner._set_prefix_layers([LayerPrefixes.stored([(k, v)], capacity=12) for k, v in zip(kv(10), kv(10))])
+    row = mc.num_key_value_heads * mc.head_dim * item
+    limit = mc.num_hidden_layers * 2 * (10 + 6) * row + row  # every layer's k and v of 16 rows, not 32
+    live, zeros = [0], torch.zeros
+
+    def budget(shape, dtype=None, device=None):
+        n = math.prod(shape) * item
+        if live[0] + n > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's budget)")
+        t = zeros(shape, dtype=dtype, device=device)
+        live[0] += n
+        weakref.finalize(t, live.__setitem__, 0, live[0] - n)
+        return t
+    monkeypatch.setattr(torch, "zeros", budget)
+    slot = runner.add_prefix([model_runner.PrefixKV(kv(6), kv(6))])
+    layer = runner.attention.prefix_layers[-1]
+    assert slot == 1 and layer.store[0].shape[0] == 16 and layer.ranges() == [(0, 10), (10, 6)]

@@ -192,12 +192,16 @@ class ModelRunner:
         if self.device.type == "cuda" and store is not None and layers[0].used + tokens > store[0].shape[0]:
             per_token = self.bytes_per_block() // self.block_size
             headroom = min(headroom, needed + int(self._free_bytes() / 3 // per_token))
+        grown = None
         try:
             grown = self._grown(layers, pieces, slot, headroom)
         except (RuntimeError, MemoryError) as exc:
             if not _out_of_memory(exc):
                 raise
-            try:  # no room for the headroom: a store of just the rows needed
+        if grown is None:
+            # No room for the headroom: a store of just the rows needed. Tried out here, not
+            # in the handler above, whose traceback would keep the first try's stores alive.
+            try:
                 grown = self._grown(layers, pieces, slot, 0)
             except (RuntimeError, MemoryError) as exc:
                 if not _out_of_memory(exc):
