@@ -5,8 +5,17 @@ import random
 
 import torch
 
-from relaycli.engine.sampler import Sampler, draw_seed, draw_seeds, inverse_cdf, keep_threshold, seed_words
+from relaycli.engine.sampler import Sampler, draw_seeds, inverse_cdf, keep_threshold, seed_words
 from relaycli.engine.sequence import SamplingOptions
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """splitmix64 of a seed and a draw index in Python integers: the stream draw_seeds must give."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (draw + 1) * 0xD1B54A32D192ED03) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
 
 
 def filter_logits(logits, temperature, top_k, top_p, num_candidates=None):
@@ -176,14 +185,15 @@ def test_tokens_tied_with_the_last_kept_one_are_kept():
     torch.testing.assert_close(got[0].exp().sum(), torch.tensor(1.0))
 
 
-def test_draw_seed_separates_requests_and_draws():
-    seeds = {draw_seed(s, d) for s in range(50) for d in range(50)}
+def test_draw_seeds_separate_requests_and_draws():
+    pairs = [(s, d) for s in range(50) for d in range(50)]
+    seeds = set(draw_seeds(seed_words([s for s, _ in pairs]), [d for _, d in pairs]).tolist())
     assert len(seeds) == 2500 and all(0 <= x < 2 ** 63 for x in seeds)
-    assert draw_seed(7, 3) == draw_seed(7, 3)
+    assert draw_seeds(seed_words([7]), [3]).tolist() == draw_seeds(seed_words([7]), [3]).tolist()
 
 
 def test_draw_seeds_is_draw_seed_for_every_pair():
-    """The vectorised mix equals the scalar one, for seeds past 64 bits and below zero too."""
+    """The vectorised mix is splitmix64 in Python integers, for seeds past 64 bits and below zero too."""
     rng = random.Random(5)
     seeds = [rng.randrange(-2 ** 70, 2 ** 70) for _ in range(300)] + [0, -1, 2 ** 64 - 1, 2 ** 63]
     draws = [rng.randrange(0, 1 << 20) for _ in seeds]

@@ -20,7 +20,8 @@ if "relaycli.kernels.triton_sampler" in sys.modules and os.environ.get("TRITON_I
     importlib.reload(sys.modules["relaycli.kernels.triton_sampler"])  # @triton.jit chose compiler at import
 
 from relaycli.kernels import triton_sampler  # noqa: E402
-from relaycli.engine.sampler import Sampler, draw_seed, keep_threshold  # noqa: E402
+from relaycli.engine.sampler import Sampler, keep_threshold  # noqa: E402
+from tests.test_sampler import draw_seed  # noqa: E402
 from relaycli.engine.sequence import SamplingOptions  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -3,7 +3,7 @@
 Greedy rows take the argmax. Sampling rows are filtered (temperature, top-k, top-p) to
 the tokens at or above a per-row threshold and drawn from what is left. A row's randomness
 comes from a stream keyed by its request's seed and the index of the token being drawn
-(`draw_seed`), so its output depends only on its seed and its logits, never on which other
+(`draw_seeds`), so its output depends only on its seed and its logits, never on which other
 rows share the batch, nor on preemption. On CUDA a Triton kernel pair does it all with the
 Gumbel-max trick (kernels/triton_sampler.py): argmax(log p + g) with g = -log(-log u) is an
 exact draw from p. The PyTorch path here, the reference and the CPU's, inverts the
@@ -86,16 +86,8 @@ def floor_masked(logits: torch.Tensor, rows: list[int], temperatures: list[float
 CPU_CANDIDATES = 1024  # tokens the CPU looks among for top-k / top-p before sorting a whole row
 
 _MASK64 = (1 << 64) - 1
+# splitmix64's constants: the seed's and the draw index's multipliers, then the two mixes
 _SEED_MUL, _DRAW_MUL, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def draw_seed(seed: int, draw: int) -> int:
-    """The random stream of a request's draw-th token: a 63-bit mix (splitmix64) of its
-    seed and the draw index, so every token's noise is fixed by the request alone."""
-    z = (seed * _SEED_MUL + (draw + 1) * _DRAW_MUL) & _MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    return (z ^ (z >> 31)) >> 1
 
 
 def seed_words(seeds: list[int]) -> np.ndarray:
@@ -104,9 +96,10 @@ def seed_words(seeds: list[int]) -> np.ndarray:
 
 
 def draw_seeds(words: np.ndarray, draws: list[int]) -> np.ndarray:
-    """draw_seed of each (seed, draw) pair as int64, seeds given as seed_words, in one pass
-    of numpy's wrapping uint64 arithmetic (a decode step of 256 sampled rows would otherwise
-    mix 256 seeds in Python)."""
+    """The random stream of each (seed, draw) pair, seeds given as seed_words: a 63-bit mix
+    (splitmix64) of a request's seed and the index of the token it draws, as int64, so every
+    token's randomness is fixed by the request alone. One pass of numpy's wrapping uint64
+    arithmetic (a decode step of 256 sampled rows would otherwise mix 256 seeds in Python)."""
     s, d = words, np.array(draws, dtype=np.uint64)
     with np.errstate(over="ignore"):
         z = s * np.uint64(_SEED_MUL) + (d + np.uint64(1)) * np.uint64(_DRAW_MUL)
