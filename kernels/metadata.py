@@ -87,9 +87,9 @@ class LayerPrefixes(list):
         rows = sum(k.shape[0] for k, _ in pieces)
         if self.store is None or self.used + rows > self.store[0].shape[0]:
             like = self.store[0] if self.store is not None else self[0][0]
-            return LayerPrefixes.stored(_placed(list(self), joined(pieces, like.device, like.dtype), slot), capacity)
+            return LayerPrefixes.stored(placed(list(self), joined(pieces, like.device, like.dtype), slot), capacity)
         layer = LayerPrefixes(list(self), self.store, self.used)
-        return LayerPrefixes(_placed(list(self), layer._write(pieces), slot), self.store, layer.used)
+        return LayerPrefixes(placed(list(self), layer._write(pieces), slot), self.store, layer.used)
 
     def without(self, slots: set[int]) -> "LayerPrefixes":
         """These prefixes with the given slots emptied (no rows; the slot numbers of the
@@ -132,7 +132,7 @@ class LayerPrefixes(list):
         return k_store[start:self.used], v_store[start:self.used]
 
 
-def _placed(pairs: list, pair, slot: int | None) -> list:
+def placed(pairs: list, pair, slot: int | None) -> list:
     """pairs with `pair` in slot `slot` (an emptied one) or appended."""
     if slot is None:
         return pairs + [pair]

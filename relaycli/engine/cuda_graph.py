@@ -112,11 +112,7 @@ class DecodeGraphs:
         each group's key range from its buffers, and a longer prefix only changes the split
         plan of later keys), except any of that slot alone, which named its old rows."""
         self.prefix_ranges = self._ranges()
-        stale = [key for key in self.graphs if key[2] == slot]
-        if stale and self.logits.is_cuda:
-            torch.cuda.synchronize(self.logits.device)  # a graph that goes may still be replaying
-        for key in stale:
-            del self.graphs[key]
+        self._drop([key for key in self.graphs if key[2] == slot])
 
     def _ranges(self) -> list[tuple[int, int]]:
         layers = self.attention.prefix_layers
@@ -280,11 +276,16 @@ class DecodeGraphs:
         """Drop the least recently replayed graphs (the dict's first) until one more fits
         under MAX_GRAPHS. Graphs share one memory pool for their passes' temporaries and
         write their logits outside it, so a graph can go while the others stay."""
-        if len(self.graphs) >= MAX_GRAPHS and self.logits.is_cuda:
-            torch.cuda.synchronize(self.logits.device)  # a graph that goes may still be replaying
-        while len(self.graphs) >= MAX_GRAPHS:
-            del self.graphs[next(iter(self.graphs))]
-            self.num_evicted += 1
+        oldest = list(self.graphs)[:max(0, len(self.graphs) - MAX_GRAPHS + 1)]
+        self._drop(oldest)
+        self.num_evicted += len(oldest)
+
+    def _drop(self, keys: list[tuple]) -> None:
+        """Forget these keys' graphs, once none may still be replaying."""
+        if keys and self.logits.is_cuda:
+            torch.cuda.synchronize(self.logits.device)
+        for key in keys:
+            del self.graphs[key]
 
     def _capture(self, key: tuple, meta: AttentionMetadata) -> torch.cuda.CUDAGraph:
         """Capture the step for key on the buffers as they are (filled, or reset). Every kernel

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from relaycli.kernels.backend import PagedAttention, default_impl, layer_ops, triton_runs_on
-from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes, PrefixGroup, joined
+from relaycli.kernels.metadata import AttentionMetadata, LayerPrefixes, PrefixGroup, joined, placed
 from relaycli.kernels.triton_plan import default_block_size
 from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
@@ -224,9 +224,7 @@ class ModelRunner:
             if self.attention_impl == "triton":
                 grown.append(layer.appended(parts, slot, capacity))
             else:
-                pair = joined(parts, self.device, self.dtype)
-                grown.append(LayerPrefixes([*layer, pair] if slot is None else
-                                           [pair if s == slot else kv for s, kv in enumerate(layer)]))
+                grown.append(LayerPrefixes(placed(list(layer), joined(parts, self.device, self.dtype), slot)))
         return grown
 
     def drop_prefixes(self, slots: set[int]) -> None:
