@@ -210,10 +210,11 @@ class ModelRunner:
                                   f"beside the KV cache in {self.device}'s memory; lower --kv-cache-gb") from None
         # every layer's store has the same rows, so all grow or none does
         in_place = layers[0].store is not None and grown[0].store[0] is layers[0].store[0]
-        if slot is not None:
-            self._empty_slots.discard(slot)
-        self._set_prefix_layers(grown, keep_graphs=in_place, added=len(layers[0]) if slot is None else slot)
-        return len(self.prefixes) - 1 if slot is None else slot
+        if slot is None:
+            slot = len(layers[0])  # a new last slot
+        self._empty_slots.discard(slot)
+        self._set_prefix_layers(grown, keep_graphs=in_place, added=slot)
+        return slot
 
     def _grown(self, layers: list[LayerPrefixes], pieces: list[PrefixKV], slot: int | None,
                capacity: int) -> list[LayerPrefixes]:
