@@ -308,41 +308,49 @@ class ModelRunner:
         """-> input_ids [N], positions [N], metadata, rows of the last query of each sequence.
         decode_ids [B] on the device: a decode step's input ids (see decode_input_ids)."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
+        starts, ends, bases = [], [], []
         for seq in seqs:
             start = seq.num_cached_own if is_prefill else seq.num_own_tokens - 1
             end = seq.num_own_tokens
             # A decode step needs only the last token: no copy of the whole sequence per step.
             input_ids.extend(seq.own_ids()[start:end] if is_prefill else [seq.last_token])
-            positions.extend(range(seq.position_base + start, seq.position_base + end))
-            slots.extend(seq.slot(i, self.block_size) for i in range(start, end))
-            cu.append(cu[-1] + end - start)
+            starts.append(start)
+            ends.append(end)
+            bases.append(seq.position_base)
+        # Positions and cache slots of every new token in a few array operations (a prefill
+        # step has thousands of tokens): token j of the step is own token own[j] of row[j].
+        lens = np.subtract(ends, starts)
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-        groups: dict[int, tuple[list[int], list[int]]] = {}
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for b, seq in enumerate(seqs):
+            tables[b, :len(seq.block_table)] = seq.block_table
+        row = np.repeat(np.arange(len(seqs)), lens)
+        own = np.arange(cu[-1]) - np.repeat(cu[:-1] - starts, lens)
+        slots = tables[row, own // self.block_size] * self.block_size + own % self.block_size
+        positions = own + np.repeat(bases, lens)
+        groups: dict[int, list[int]] = {}
         for b, seq in enumerate(seqs):
             if seq.prefix_slot is not None:
-                seq_rows, q_rows = groups.setdefault(seq.prefix_slot, ([], []))
-                seq_rows.append(b)
-                q_rows.extend(range(cu[b], cu[b + 1]))
+                groups.setdefault(seq.prefix_slot, []).append(b)
+        token_slot = np.array([-1 if s.prefix_slot is None else s.prefix_slot for s in seqs])[row]
         dev = self.device
         meta = AttentionMetadata(
             is_decode=not is_prefill,
             cu_seqlens_q=to_device(cu, torch.int32, dev),
-            max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(seqs))),
+            max_seqlen_q=int(lens.max()),
             context_lens=to_device([s.num_own_tokens for s in seqs], torch.int32, dev),
             max_context_len=max(s.num_own_tokens for s in seqs),
             block_tables=to_device(tables, torch.int32, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
             block_size=self.block_size,
             context_tokens=sum(s.num_own_tokens for s in seqs),
-            prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens,
-                                       to_device(rows, torch.int64, dev), to_device(q_rows, torch.int64, dev))
-                           for slot, (rows, q_rows) in sorted(groups.items())],
+            prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens, to_device(rows, torch.int64, dev),
+                                       to_device(np.flatnonzero(token_slot == slot), torch.int64, dev))
+                           for slot, rows in sorted(groups.items())],
         )
-        last_rows = to_device([c - 1 for c in cu[1:]], torch.int64, dev)
+        last_rows = to_device(cu[1:] - 1, torch.int64, dev)
         ids = decode_ids if decode_ids is not None else to_device(input_ids, torch.int64, dev)
         return ids, to_device(positions, torch.int64, dev), meta, last_rows
 
