@@ -209,3 +209,34 @@ def test_the_decode_after_a_prefill_launches_before_the_prefill_is_read_back():
         read_at = order.index(("read", True), i)
         next_launch = next(j for j in range(i + 1, len(order)) if order[j][0] == "launch")
         assert next_launch < read_at, order  # the next step goes to the device first
+
+
+def test_launch_seconds_are_the_host_time_of_each_kind_of_launch():
+    """prefill_launch_seconds and decode_launch_seconds hold the time the engine's thread
+    spent in ModelRunner.launch for prefill and decode steps: here each launch is slowed
+    by a known amount, so each total is at least that much a launch."""
+    import time
+
+    lm = load_model("dummy:tiny", dtype="float32", device="cpu", seed=random.randrange(1000))
+    rng = random.Random()
+    vocab = lm.config.vocab_size
+    reqs = [TokenRequest(i, str(i), [rng.randrange(vocab) for _ in range(4)],
+                         SamplingOptions(max_tokens=3, ignore_eos=True)) for i in range(4)]
+    engine = Engine(lm, [], EngineConfig(max_num_seqs=2))
+    launch = engine.runner.launch
+    counted = {True: 0, False: 0}
+
+    def slow_launch(seqs, is_prefill, prev=None, before_sampling=None):
+        counted[is_prefill] += 1
+        time.sleep(0.02 if is_prefill else 0.01)
+        return launch(seqs, is_prefill, prev, before_sampling)
+
+    engine.runner.launch = slow_launch
+    assert len(list(engine.generate_tokens(reqs))) == 4
+    st = engine.stats
+    assert counted[True] == st.prefill_steps >= 2 and counted[False] == st.decode_steps >= 2
+    assert st.prefill_launch_seconds >= 0.02 * counted[True]
+    assert st.decode_launch_seconds >= 0.01 * counted[False]
+    assert st.prefill_launch_seconds + st.decode_launch_seconds <= st.elapsed()
+    d = st.as_dict()
+    assert d["prefill_launch_seconds"] == st.prefill_launch_seconds and d["decode_launch_seconds"] == st.decode_launch_seconds

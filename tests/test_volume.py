@@ -22,7 +22,8 @@ AS_DICT_KEYS = [
     "rows", "errors", "prefix_hits", "prefix_misses", "prompt_tokens", "cached_tokens", "completion_tokens",
     "prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "preemptions", "graphs_available",
     "graphed_decode_steps", "eager_decode_steps", "eager_reasons", "prompt_fallbacks", "device_wait_seconds",
-    "prefill_tokens", "forks", "module_paths_built", "module_paths_dropped", "ttft_mean_seconds", "ttft_p50_seconds",
+    "prefill_launch_seconds", "decode_launch_seconds", "prefill_tokens", "forks", "module_paths_built",
+    "module_paths_dropped", "ttft_mean_seconds", "ttft_p50_seconds",
     "ttft_p90_seconds", "decode_step_mean_seconds", "decode_step_p50_seconds", "elapsed_seconds",
     "generated_tokens_per_second", "rows_per_second"]
 

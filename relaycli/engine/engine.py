@@ -291,7 +291,13 @@ class Engine:
             raise RuntimeError("scheduler found nothing to run with sequences pending")
         launched = None
         if seqs:
+            started = time.perf_counter()
             launched = self.runner.launch(seqs, is_prefill, self._pending, read_pending if constrained else None)
+            launch_seconds = time.perf_counter() - started
+            if is_prefill:
+                self.stats.prefill_launch_seconds += launch_seconds
+            else:
+                self.stats.decode_launch_seconds += launch_seconds
             for seq in seqs:
                 if seq.num_completion_tokens >= seq.sampling.max_tokens or seq.position_end >= self.max_context:
                     seq.finish_reason = "length"  # unless its last token turns out to stop it first

@@ -19,7 +19,8 @@ SUMMARY_VALUES = 4096  # values a Summary keeps: exact percentiles up to this ma
 # counts): what `--devices` workers report and their parent sums.
 COUNTERS = ("prefix_hits", "prefix_misses", "prompt_fallbacks", "prefill_steps", "decode_steps", "prefill_seconds",
             "decode_seconds", "preemptions", "graphed_decode_steps", "eager_decode_steps", "device_wait_seconds",
-            "prefill_tokens", "forks", "module_paths_built", "module_paths_dropped")
+            "prefill_tokens", "forks", "module_paths_built", "module_paths_dropped", "prefill_launch_seconds",
+            "decode_launch_seconds")
 
 
 def quantile(ordered: list[float], q: float) -> float | None:
@@ -97,6 +98,12 @@ class EngineStats:
     eager_reasons: dict[str, int] = field(default_factory=dict)  # why decode steps ran eagerly, counted
     prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
     device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
+    # The engine's thread queueing steps (ModelRunner.launch). A prefill is an eager forward,
+    # whose every launch the host makes; where this nears prefill_seconds the device waited
+    # for the host. A decode step is a graph's replay, or an eager forward: a graph's first
+    # step and its capture, or a step no graph fits.
+    prefill_launch_seconds: float = 0.0
+    decode_launch_seconds: float = 0.0
     prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
     forks: int = 0  # completions 2..n of rows with n > 1: their prompt's KV is the row's, not prefilled again
     module_paths_built: int = 0  # prompt-module paths loaded as prefixes (again, after a drop, counted again)
