@@ -4,6 +4,7 @@ what each sequence says of its own tokens, for prefill and decode steps alike.""
 import random
 import types
 
+import pytest
 import torch
 
 from relaycli.engine.model_runner import ModelRunner
@@ -62,3 +63,15 @@ def test_prepare_gives_each_new_tokens_id_position_slot_and_group():
             assert g.seq_indices.tolist() == rows
             assert g.query_indices.tolist() == [q for b in rows for q in range(cu[b], cu[b + 1])]
             assert g.num_prefix_tokens == [300, 5, 4000, 17][g.prefix_slot]
+
+
+def test_prepare_refuses_a_sequence_whose_blocks_do_not_hold_its_tokens():
+    """A missing block would otherwise read as block 0 of the padded table: another
+    sequence's keys."""
+    seqs = [Sequence(0, list(range(40)), SamplingOptions(max_tokens=8)),
+            Sequence(1, list(range(10)), SamplingOptions(max_tokens=8))]
+    seqs[0].block_table, seqs[1].block_table = [3, 4, 5], [7]  # 16-key blocks: row 0 needs 3, has 3
+    ModelRunner.prepare(_runner(16), seqs, True)
+    seqs[0].block_table = [3, 4]
+    with pytest.raises(AssertionError, match="blocks must hold all its tokens"):
+        ModelRunner.prepare(_runner(16), seqs, True)

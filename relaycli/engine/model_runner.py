@@ -328,6 +328,9 @@ class ModelRunner:
             tables[b, :len(seq.block_table)] = seq.block_table
         row = np.repeat(np.arange(len(seqs)), lens)
         own = np.arange(cu[-1]) - np.repeat(cu[:-1] - starts, lens)
+        # (a padded table entry would name block 0, another sequence's: every token needs its own block)
+        assert (np.asarray(ends) <= np.array([len(s.block_table) for s in seqs]) * self.block_size).all(), \
+            "a sequence's blocks must hold all its tokens"
         slots = tables[row, own // self.block_size] * self.block_size + own % self.block_size
         positions = own + np.repeat(bases, lens)
         groups: dict[int, list[int]] = {}
