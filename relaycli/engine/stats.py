@@ -98,11 +98,12 @@ class EngineStats:
     eager_reasons: dict[str, int] = field(default_factory=dict)  # why decode steps ran eagerly, counted
     prompt_fallbacks: int = 0  # rows tokenized by full rendering (their prefix could not be spliced)
     device_wait_seconds: float = 0.0  # the engine's thread waiting for the device: the rest is host work
-    # The engine's thread queueing steps (ModelRunner.launch). A prefill is an eager forward,
-    # whose every launch the host makes; where this nears prefill_seconds the device waited
-    # for the host. A decode step is a graph's replay, or an eager forward: a graph's first
-    # step and its capture, or a step no graph fits. A step after constrained rows also reads
-    # the one before it back inside its launch (that wait is in device_wait_seconds too).
+    # The engine's thread in ModelRunner.launch (on the CPU a launch computes the step). On
+    # CUDA a prefill is an eager forward, whose every launch the host makes: where this nears
+    # prefill_seconds the device waited for the host. A decode step is a graph's replay, or an
+    # eager forward: a graph's first step and its capture, or a step no graph fits. A step
+    # after constrained rows also reads the one before it back inside its launch (that wait
+    # is in device_wait_seconds too).
     prefill_launch_seconds: float = 0.0
     decode_launch_seconds: float = 0.0
     prefill_tokens: int = 0  # own tokens computed by prefill steps (recomputed ones count again)
