@@ -18,6 +18,7 @@ from relaycli.models.registry import LoadedModel
 from relaycli.config import EngineConfig
 from relaycli.errors import ConfigError
 from relaycli.engine.constraints import apply_masks
+from relaycli.engine.cuda_graph import pack_block_tables
 from relaycli.engine.logprobs import StepLogprobs, step_logprobs
 from relaycli.engine.sampler import Sampler
 from relaycli.engine.sequence import Sequence
@@ -308,50 +309,47 @@ class ModelRunner:
         """-> input_ids [N], positions [N], metadata, rows of the last query of each sequence.
         decode_ids [B] on the device: a decode step's input ids (see decode_input_ids)."""
         input_ids: list[int] = []
-        starts, ends, bases = [], [], []
+        starts, ends, bases, prefix_slots, num_blocks = [], [], [], [], []
         for seq in seqs:
             start = seq.num_cached_own if is_prefill else seq.num_own_tokens - 1
-            end = seq.num_own_tokens
             # A decode step needs only the last token: no copy of the whole sequence per step.
-            input_ids.extend(seq.own_ids()[start:end] if is_prefill else [seq.last_token])
+            input_ids.extend(seq.own_ids()[start:] if is_prefill else [seq.last_token])
             starts.append(start)
-            ends.append(end)
+            ends.append(seq.num_own_tokens)
             bases.append(seq.position_base)
+            prefix_slots.append(-1 if seq.prefix_slot is None else seq.prefix_slot)
+            num_blocks.append(len(seq.block_table))
+        # (a padded table entry would name block 0, another sequence's: every token needs its own block)
+        assert (np.asarray(ends) <= np.asarray(num_blocks) * self.block_size).all(), \
+            "a sequence's blocks must hold all its tokens"
         # Positions and cache slots of every new token in a few array operations (a prefill
         # step has thousands of tokens): token j of the step is own token own[j] of row[j].
         lens = np.subtract(ends, starts)
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
-        for b, seq in enumerate(seqs):
-            tables[b, :len(seq.block_table)] = seq.block_table
+        width = max(num_blocks)
+        tables = pack_block_tables([s.block_table for s in seqs], width, 0, np.empty((len(seqs), width), np.int64))
         row = np.repeat(np.arange(len(seqs)), lens)
         own = np.arange(cu[-1]) - np.repeat(cu[:-1] - starts, lens)
-        # (a padded table entry would name block 0, another sequence's: every token needs its own block)
-        assert (np.asarray(ends) <= np.array([len(s.block_table) for s in seqs]) * self.block_size).all(), \
-            "a sequence's blocks must hold all its tokens"
         slots = tables[row, own // self.block_size] * self.block_size + own % self.block_size
         positions = own + np.repeat(bases, lens)
-        groups: dict[int, list[int]] = {}
-        for b, seq in enumerate(seqs):
-            if seq.prefix_slot is not None:
-                groups.setdefault(seq.prefix_slot, []).append(b)
-        token_slot = np.array([-1 if s.prefix_slot is None else s.prefix_slot for s in seqs])[row]
+        seq_slot = np.asarray(prefix_slots)
+        token_slot = seq_slot[row]
         dev = self.device
         meta = AttentionMetadata(
             is_decode=not is_prefill,
             cu_seqlens_q=to_device(cu, torch.int32, dev),
             max_seqlen_q=int(lens.max()),
-            context_lens=to_device([s.num_own_tokens for s in seqs], torch.int32, dev),
-            max_context_len=max(s.num_own_tokens for s in seqs),
+            context_lens=to_device(ends, torch.int32, dev),
+            max_context_len=max(ends),
             block_tables=to_device(tables, torch.int32, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
             block_size=self.block_size,
-            context_tokens=sum(s.num_own_tokens for s in seqs),
-            prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens, to_device(rows, torch.int64, dev),
+            context_tokens=sum(ends),
+            prefix_groups=[PrefixGroup(slot, self.prefixes[slot].num_tokens,
+                                       to_device(np.flatnonzero(seq_slot == slot), torch.int64, dev),
                                        to_device(np.flatnonzero(token_slot == slot), torch.int64, dev))
-                           for slot, rows in sorted(groups.items())],
+                           for slot in np.unique(seq_slot[seq_slot >= 0]).tolist()],
         )
         last_rows = to_device(cu[1:] - 1, torch.int64, dev)
         ids = decode_ids if decode_ids is not None else to_device(input_ids, torch.int64, dev)
